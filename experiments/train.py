@@ -1,0 +1,175 @@
+r"""Trains a ViT with `model.fit` and writes the model and its metrics.
+
+    python -m experiments.train --workdir=/tmp/vit_digits
+    python -m experiments.train --config=experiments/configs/digits.py \
+        --config.epochs=10 --workdir=/tmp/vit_digits
+
+Writes into --workdir: `model.keras` (the trained model), `metrics.json`,
+`history.json` (per-epoch metrics) and `backup/` (the state of an interrupted
+run; `fit` resumes from it when the same command is run again).
+"""
+
+import json
+import os
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "experiments/configs/digits.py", "Python config file; fields can be overridden."
+)
+_WORKDIR = flags.DEFINE_string("workdir", "runs/digits", "Where the model and metrics go.")
+
+
+class Throughput:
+    """Times training epochs; the first epoch (tracing and compilation) is left out."""
+
+    def __init__(self):
+        self.epoch_seconds = []
+
+    def callback(self):
+        import keras
+
+        timer = self
+
+        class _Callback(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                self.start = time.perf_counter()
+
+            def on_epoch_end(self, epoch, logs=None):
+                timer.epoch_seconds.append(time.perf_counter() - self.start)
+
+        return _Callback()
+
+    def images_per_second(self, images_per_epoch):
+        timed = self.epoch_seconds[1:] or self.epoch_seconds
+        return images_per_epoch * len(timed) / sum(timed) if timed else float("nan")
+
+
+def load_data(config):
+    from keras_vit import data
+
+    if config.dataset != "digits":
+        raise ValueError(f"Unknown dataset {config.dataset!r}. Expected 'digits'.")
+    return data.load_digits(
+        image_size=config.image_size, test_fraction=config.test_fraction, seed=config.seed
+    )
+
+
+def build_model(config, num_classes):
+    import keras_vit
+
+    model_config = dict(config.model)
+    variant = model_config.pop("variant")
+    return keras_vit.build_vit(
+        variant, image_size=config.image_size, num_classes=num_classes, **model_config
+    )
+
+
+def make_optimizer(config, steps_per_epoch):
+    import keras
+
+    total_steps = config.epochs * steps_per_epoch
+    warmup_steps = min(config.warmup_epochs * steps_per_epoch, total_steps - 1)
+    schedule = keras.optimizers.schedules.CosineDecay(
+        initial_learning_rate=0.0,
+        decay_steps=max(total_steps - warmup_steps, 1),
+        warmup_target=config.learning_rate,
+        warmup_steps=warmup_steps,
+    )
+    if config.optimizer == "adamw":
+        return keras.optimizers.AdamW(
+            schedule, weight_decay=config.weight_decay, global_clipnorm=config.grad_clip_norm
+        )
+    if config.optimizer == "sgd":
+        return keras.optimizers.SGD(
+            schedule, momentum=0.9, global_clipnorm=config.grad_clip_norm
+        )
+    raise ValueError(f"Unknown optimizer {config.optimizer!r}. Expected 'adamw' or 'sgd'.")
+
+
+def train_and_evaluate(config, workdir):
+    """Runs the whole job; returns the metrics it writes to `workdir`."""
+    import keras
+    import tensorflow as tf
+
+    from keras_vit import data as vit_data
+
+    tf.io.gfile.makedirs(workdir)
+    keras.utils.set_random_seed(config.seed)
+    keras.mixed_precision.set_global_policy(config.precision)
+
+    # === Data ===
+    dataset = load_data(config)
+    train_ds = vit_data.make_pipeline(
+        dataset.train,
+        config.batch_size,
+        training=True,
+        num_classes=dataset.num_classes,
+        seed=config.seed,
+        max_shift=config.max_shift,
+    )
+    test_ds = vit_data.make_pipeline(
+        dataset.test, config.batch_size, training=False, num_classes=dataset.num_classes
+    )
+    steps_per_epoch = len(dataset.train) // config.batch_size
+
+    # === Model ===
+    model = build_model(config, dataset.num_classes)
+    model.compile(
+        optimizer=make_optimizer(config, steps_per_epoch),
+        loss=keras.losses.CategoricalCrossentropy(
+            from_logits=True, label_smoothing=config.label_smoothing
+        ),
+        metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")],
+        jit_compile=config.jit_compile,
+    )
+
+    # === Train ===
+    throughput = Throughput()
+    history = model.fit(
+        train_ds,
+        epochs=config.epochs,
+        validation_data=test_ds,
+        callbacks=[
+            keras.callbacks.BackupAndRestore(os.path.join(workdir, "backup")),
+            throughput.callback(),
+        ],
+        verbose=2,
+    )
+
+    # === Evaluate and save ===
+    test_loss, test_accuracy = model.evaluate(test_ds, verbose=0)
+    model_path = os.path.join(workdir, "model.keras")
+    model.save(model_path)
+    metrics = {
+        "test_accuracy": float(test_accuracy),
+        "test_loss": float(test_loss),
+        "epochs": int(config.epochs),
+        "train_images_per_second": throughput.images_per_second(
+            steps_per_epoch * config.batch_size
+        ),
+        "train_examples": len(dataset.train),
+        "test_examples": len(dataset.test),
+        "parameters": int(model.count_params()),
+    }
+    with tf.io.gfile.GFile(os.path.join(workdir, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    with tf.io.gfile.GFile(os.path.join(workdir, "history.json"), "w") as f:
+        json.dump({k: [float(v) for v in vs] for k, vs in history.history.items()}, f, indent=2)
+    return metrics
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    workdir = _WORKDIR.value
+    metrics = train_and_evaluate(_CONFIG.value, workdir)
+    logging.info("Metrics: %s", metrics)
+    print(json.dumps(metrics, indent=2))
+    print(f"Wrote the model, metrics.json and history.json to {os.path.abspath(workdir)}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,448 @@
+"""The layers of a Vision Transformer, in `keras.ops` only.
+
+Every layer is registered as serializable under the package name "keras_vit",
+has a `get_config` returning exactly its constructor arguments, and creates its
+weights in `build()`.
+
+Weight layouts are chosen so that the original checkpoints map onto them by a
+reshape (see `keras_vit.model` for the names):
+- `PatchEncoder.kernel` is (patch_h, patch_w, channels, hidden), like the
+  original `embedding/kernel`.
+- `MultiHeadSelfAttention.qkv_kernel` is (hidden, 3 * hidden): the query, key
+  and value kernels of shape (hidden, heads, head_dim) reshaped to
+  (hidden, hidden) and concatenated in that order, so one matmul computes all
+  three projections.
+"""
+
+import math
+
+import keras
+from keras import ops
+
+from keras_vit.variants import to_pair
+
+register = keras.saving.register_keras_serializable(package="keras_vit")
+
+
+def _check_rate(name, value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
+        raise ValueError(f"`{name}` must be a number in [0, 1). Received: {name}={value!r}")
+    return float(value)
+
+
+def _check_positive_int(name, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return value
+
+
+def _check_image_shape(layer, input_shape, patch_size, channels=None):
+    """Validates an NHWC input shape against the patch size (and channels)."""
+    if len(input_shape) != 4:
+        raise ValueError(
+            f"{layer} expects a batch of images of shape (batch, height, width, channels). "
+            f"Received: input_shape={tuple(input_shape)}"
+        )
+    height, width, found_channels = input_shape[1], input_shape[2], input_shape[3]
+    if height is None or width is None or found_channels is None:
+        raise ValueError(
+            f"{layer} needs a static image height, width and channel count. "
+            f"Received: input_shape={tuple(input_shape)}"
+        )
+    if height % patch_size[0] or width % patch_size[1]:
+        raise ValueError(
+            f"The image size must be divisible by the patch size. Received: image size "
+            f"(height, width)=({height}, {width}), patch_size={patch_size}"
+        )
+    if channels is not None and found_channels != channels:
+        raise ValueError(
+            f"{layer} expects images with {channels} channels. Received: input_shape="
+            f"{tuple(input_shape)} ({found_channels} channels)"
+        )
+    return height // patch_size[0], width // patch_size[1]
+
+
+def extract_patches(images, patch_size, grid_size):
+    """(batch, H, W, C) -> (batch, grid_h * grid_w, patch_h * patch_w * C)."""
+    (ph, pw), (gh, gw), channels = patch_size, grid_size, images.shape[-1]
+    x = ops.reshape(images, (-1, gh, ph, gw, pw, channels))
+    x = ops.transpose(x, (0, 1, 3, 2, 4, 5))
+    return ops.reshape(x, (-1, gh * gw, ph * pw * channels))
+
+
+# === Layers ===
+
+
+@register
+class Patches(keras.layers.Layer):
+    """Splits NHWC images into flattened, non-overlapping patches.
+
+    The output is (batch, num_patches, patch_h * patch_w * channels), patches
+    in row-major order over the grid and each patch flattened as
+    (row, column, channel): the order of a conv kernel (patch_h, patch_w,
+    channels, out) flattened, so `Patches` followed by a matmul with the
+    reshaped kernel is the same map as a strided conv.
+
+    >>> images = keras.ops.zeros((2, 32, 48, 3))
+    >>> tuple(Patches(16)(images).shape)
+    (2, 6, 768)
+    """
+
+    def __init__(self, patch_size, **kwargs):
+        super().__init__(**kwargs)
+        self.patch_size = to_pair(patch_size, "patch_size")
+
+    def build(self, input_shape):
+        self.grid_size = _check_image_shape("Patches", input_shape, self.patch_size)
+
+    def call(self, images):
+        return extract_patches(images, self.patch_size, self.grid_size)
+
+    def compute_output_shape(self, input_shape):
+        gh, gw = _check_image_shape("Patches", input_shape, self.patch_size)
+        ph, pw = self.patch_size
+        return (input_shape[0], gh * gw, ph * pw * input_shape[-1])
+
+    def get_config(self):
+        return {**super().get_config(), "patch_size": self.patch_size}
+
+
+@register
+class PatchEncoder(keras.layers.Layer):
+    """Patch embedding, class token and position embeddings (paper eq. 1).
+
+    Projects each PxP patch linearly to `hidden_dim`, prepends a learnable
+    class token (zeros at init) when `use_class_token`, and adds learnable
+    position embeddings (N(0, 0.02) at init).
+
+    Args:
+        hidden_dim: D, the width of the tokens.
+        patch_size: int or (height, width).
+        use_class_token: prepend the class token (classifier "token").
+        projection: "conv" (a conv with kernel = stride = patch) or "matmul"
+            (`Patches` then one matmul). They are the same linear map on the same
+            `kernel`; "conv" is the default because it is the faster of the two
+            on TensorFlow's CPU kernels.
+        kernel_initializer: initializer of the projection kernel.
+
+    Weights: `kernel` (patch_h, patch_w, channels, hidden_dim), `bias`
+    (hidden_dim,), `class_token` (1, 1, hidden_dim), `position_embedding`
+    (1, tokens, hidden_dim).
+
+    >>> encoder = PatchEncoder(hidden_dim=8, patch_size=4)
+    >>> tuple(encoder(keras.ops.zeros((2, 8, 12, 3))).shape)
+    (2, 7, 8)
+    """
+
+    PROJECTIONS = ("conv", "matmul")
+
+    def __init__(
+        self,
+        hidden_dim,
+        patch_size,
+        use_class_token=True,
+        projection="conv",
+        kernel_initializer="lecun_normal",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.hidden_dim = _check_positive_int("hidden_dim", hidden_dim)
+        self.patch_size = to_pair(patch_size, "patch_size")
+        self.use_class_token = bool(use_class_token)
+        if projection not in self.PROJECTIONS:
+            raise ValueError(
+                f"`projection` must be one of {self.PROJECTIONS}. Received: projection={projection!r}"
+            )
+        self.projection = projection
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+
+    def build(self, input_shape):
+        self.grid_size = _check_image_shape("PatchEncoder", input_shape, self.patch_size)
+        channels = input_shape[-1]
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.kernel = self.add_weight(
+            name="kernel",
+            shape=(*self.patch_size, channels, self.hidden_dim),
+            initializer=self.kernel_initializer,
+        )
+        self.bias = self.add_weight(name="bias", shape=(self.hidden_dim,), initializer="zeros")
+        if self.use_class_token:
+            self.class_token = self.add_weight(
+                name="class_token", shape=(1, 1, self.hidden_dim), initializer="zeros"
+            )
+        self.position_embedding = self.add_weight(
+            name="position_embedding",
+            shape=(1, self.num_patches + self.use_class_token, self.hidden_dim),
+            initializer=keras.initializers.RandomNormal(stddev=0.02),
+        )
+
+    def call(self, images):
+        expected = (*(g * p for g, p in zip(self.grid_size, self.patch_size)), self.kernel.shape[2])
+        if tuple(images.shape[1:]) != expected:
+            raise ValueError(
+                f"PatchEncoder {self.name!r} expects images of shape (batch, {expected[0]}, "
+                f"{expected[1]}, {expected[2]}) (height, width, channels). Received: images "
+                f"of shape {tuple(images.shape)}"
+            )
+        # Weights are cast explicitly: under a mixed policy the variables are
+        # float32 while the tokens are bfloat16/float16.
+        kernel = ops.cast(self.kernel, self.compute_dtype)
+        if self.projection == "conv":
+            x = ops.conv(images, kernel, strides=self.patch_size, padding="valid")
+            x = ops.reshape(x, (-1, self.num_patches, self.hidden_dim))
+        else:
+            x = extract_patches(images, self.patch_size, self.grid_size)
+            x = ops.matmul(x, ops.reshape(kernel, (-1, self.hidden_dim)))
+        x = x + ops.cast(self.bias, self.compute_dtype)
+        if self.use_class_token:
+            class_token = ops.cast(self.class_token, self.compute_dtype)
+            class_token = ops.broadcast_to(class_token, (ops.shape(x)[0], 1, self.hidden_dim))
+            x = ops.concatenate([class_token, x], axis=1)
+        return x + ops.cast(self.position_embedding, self.compute_dtype)
+
+    def compute_output_shape(self, input_shape):
+        gh, gw = _check_image_shape("PatchEncoder", input_shape, self.patch_size)
+        return (input_shape[0], gh * gw + self.use_class_token, self.hidden_dim)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "hidden_dim": self.hidden_dim,
+            "patch_size": self.patch_size,
+            "use_class_token": self.use_class_token,
+            "projection": self.projection,
+            "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+        }
+
+
+@register
+class MultiHeadSelfAttention(keras.layers.Layer):
+    """Multi-head scaled dot-product self-attention (paper eq. 2, appendix A).
+
+    The query, key and value projections are one matmul with a
+    (hidden, 3 * hidden) kernel.  Softmax runs in float32 under mixed precision.
+
+    Args:
+        num_heads: number of heads; the input width must be divisible by it.
+        dropout_rate: dropout on the attention probabilities.
+
+    Call args:
+        inputs: (batch, tokens, hidden).
+        training: dropout on or off.
+        return_attention_scores: also return the attention probabilities,
+            (batch, heads, tokens, tokens).
+    """
+
+    def __init__(self, num_heads, dropout_rate=0.0, seed=None, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads = _check_positive_int("num_heads", num_heads)
+        self.dropout_rate = _check_rate("dropout_rate", dropout_rate)
+        self.seed = seed
+
+    def build(self, input_shape):
+        hidden = input_shape[-1]
+        if hidden is None or hidden % self.num_heads:
+            raise ValueError(
+                "The input width must be divisible by `num_heads`. Received: input_shape="
+                f"{tuple(input_shape)}, num_heads={self.num_heads}"
+            )
+        self.head_dim = hidden // self.num_heads
+        # Glorot-uniform as if q, k and v were three (hidden, hidden) kernels:
+        # for a (hidden, 3 * hidden) kernel fan_avg is 2 * hidden, so scale 2
+        # restores the limit sqrt(6 / (hidden + hidden)).
+        self.qkv_kernel = self.add_weight(
+            name="qkv_kernel",
+            shape=(hidden, 3 * hidden),
+            initializer=keras.initializers.VarianceScaling(2.0, "fan_avg", "uniform"),
+        )
+        self.qkv_bias = self.add_weight(name="qkv_bias", shape=(3 * hidden,), initializer="zeros")
+        self.output_kernel = self.add_weight(
+            name="output_kernel", shape=(hidden, hidden), initializer="glorot_uniform"
+        )
+        self.output_bias = self.add_weight(name="output_bias", shape=(hidden,), initializer="zeros")
+        self.attention_dropout = keras.layers.Dropout(
+            self.dropout_rate, seed=self.seed, name="attention_dropout"
+        )
+
+    def call(self, inputs, training=None, return_attention_scores=False):
+        tokens, hidden = inputs.shape[1], inputs.shape[2]
+        heads, head_dim = self.num_heads, self.head_dim
+        qkv = ops.matmul(inputs, ops.cast(self.qkv_kernel, self.compute_dtype))
+        qkv = qkv + ops.cast(self.qkv_bias, self.compute_dtype)
+        qkv = ops.reshape(qkv, (-1, tokens, 3, heads, head_dim))
+        qkv = ops.transpose(qkv, (2, 0, 3, 1, 4))  # (3, batch, heads, tokens, head_dim)
+        query, key, value = qkv[0], qkv[1], qkv[2]
+        query = query * ops.cast(1.0 / math.sqrt(head_dim), self.compute_dtype)
+        logits = ops.matmul(query, ops.swapaxes(key, -1, -2))
+        # Softmax in float32: bfloat16 has 8 bits of mantissa, too few for
+        # normalising a row of a few hundred probabilities.
+        probs = ops.softmax(ops.cast(logits, "float32"), axis=-1)
+        attended = ops.matmul(
+            self.attention_dropout(ops.cast(probs, self.compute_dtype), training=training), value
+        )
+        attended = ops.reshape(ops.transpose(attended, (0, 2, 1, 3)), (-1, tokens, hidden))
+        outputs = ops.matmul(attended, ops.cast(self.output_kernel, self.compute_dtype))
+        outputs = outputs + ops.cast(self.output_bias, self.compute_dtype)
+        if return_attention_scores:
+            return outputs, probs
+        return outputs
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "num_heads": self.num_heads,
+            "dropout_rate": self.dropout_rate,
+            "seed": self.seed,
+        }
+
+
+@register
+class TransformerBlock(keras.layers.Layer):
+    """One pre-norm encoder block (paper eq. 2-3).
+
+    x = x + DropPath(Dropout(MSA(LN(x))))
+    x = x + DropPath(MLP(LN(x))),  MLP = Dense(mlp_dim) -> GELU (exact) ->
+        Dropout -> Dense(hidden) -> Dropout
+
+    Args:
+        num_heads: attention heads.
+        mlp_dim: width of the MLP's hidden layer.
+        dropout_rate: dropout after the attention and in the MLP.
+        attention_dropout_rate: dropout on the attention probabilities.
+        stochastic_depth_rate: probability of dropping the block's residual
+            branches for a whole sample in training (Huang et al. 2016).
+        layer_norm_epsilon: 1e-6, as in the original implementation.
+
+    Sublayers: `attention_norm`, `attention`, `mlp_norm`, `mlp_dense_1`,
+    `mlp_dense_2`.
+
+    >>> block = TransformerBlock(num_heads=2, mlp_dim=16)
+    >>> tuple(block(keras.ops.zeros((1, 5, 8))).shape)
+    (1, 5, 8)
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        mlp_dim,
+        dropout_rate=0.0,
+        attention_dropout_rate=0.0,
+        stochastic_depth_rate=0.0,
+        layer_norm_epsilon=1e-6,
+        seed=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_heads = _check_positive_int("num_heads", num_heads)
+        self.mlp_dim = _check_positive_int("mlp_dim", mlp_dim)
+        self.dropout_rate = _check_rate("dropout_rate", dropout_rate)
+        self.attention_dropout_rate = _check_rate("attention_dropout_rate", attention_dropout_rate)
+        self.stochastic_depth_rate = _check_rate("stochastic_depth_rate", stochastic_depth_rate)
+        self.layer_norm_epsilon = float(layer_norm_epsilon)
+        self.seed = seed
+
+    def build(self, input_shape):
+        if len(input_shape) != 3 or input_shape[-1] is None:
+            raise ValueError(
+                "TransformerBlock expects tokens of shape (batch, tokens, hidden) with a static "
+                f"hidden width. Received: input_shape={tuple(input_shape)}"
+            )
+        hidden = input_shape[-1]
+        dense = dict(kernel_initializer="glorot_uniform", dtype=self.dtype_policy)
+        self.attention_norm = keras.layers.LayerNormalization(
+            epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name="attention_norm"
+        )
+        self.attention = MultiHeadSelfAttention(
+            self.num_heads,
+            dropout_rate=self.attention_dropout_rate,
+            seed=self.seed,
+            dtype=self.dtype_policy,
+            name="attention",
+        )
+        self.mlp_norm = keras.layers.LayerNormalization(
+            epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name="mlp_norm"
+        )
+        self.mlp_dense_1 = keras.layers.Dense(self.mlp_dim, name="mlp_dense_1", **dense)
+        self.mlp_dense_2 = keras.layers.Dense(hidden, name="mlp_dense_2", **dense)
+        self.dropout = keras.layers.Dropout(self.dropout_rate, seed=self.seed)
+        self.seed_generator = keras.random.SeedGenerator(self.seed)
+        for layer, shape in (
+            (self.attention_norm, input_shape),
+            (self.attention, input_shape),
+            (self.mlp_norm, input_shape),
+            (self.mlp_dense_1, input_shape),
+            (self.mlp_dense_2, (*input_shape[:-1], self.mlp_dim)),
+        ):
+            layer.build(shape)
+
+    def _drop_path(self, x, training):
+        """Stochastic depth: zero the residual branch of whole samples."""
+        if not training or self.stochastic_depth_rate == 0.0:
+            return x
+        keep = 1.0 - self.stochastic_depth_rate
+        noise = keras.random.uniform((ops.shape(x)[0], 1, 1), seed=self.seed_generator)
+        mask = ops.cast(noise < keep, x.dtype) / ops.cast(keep, x.dtype)
+        return x * mask
+
+    def call(self, inputs, training=None, return_attention_scores=False):
+        attended = self.attention(
+            self.attention_norm(inputs),
+            training=training,
+            return_attention_scores=return_attention_scores,
+        )
+        if return_attention_scores:
+            attended, scores = attended
+        x = inputs + self._drop_path(self.dropout(attended, training=training), training)
+        y = self.mlp_dense_1(self.mlp_norm(x))
+        y = self.dropout(ops.gelu(y, approximate=False), training=training)
+        y = self.dropout(self.mlp_dense_2(y), training=training)
+        outputs = x + self._drop_path(y, training)
+        if return_attention_scores:
+            return outputs, scores
+        return outputs
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "num_heads": self.num_heads,
+            "mlp_dim": self.mlp_dim,
+            "dropout_rate": self.dropout_rate,
+            "attention_dropout_rate": self.attention_dropout_rate,
+            "stochastic_depth_rate": self.stochastic_depth_rate,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "seed": self.seed,
+        }
+
+
+@register
+class TokenPooling(keras.layers.Layer):
+    """Pools the encoder's tokens into one vector per image.
+
+    "token": the class token (the first token); "gap": the mean of all tokens
+    (models built with classifier "gap" have no class token).
+    """
+
+    METHODS = ("token", "gap")
+
+    def __init__(self, method="token", **kwargs):
+        super().__init__(**kwargs)
+        if method not in self.METHODS:
+            raise ValueError(f"`method` must be one of {self.METHODS}. Received: method={method!r}")
+        self.method = method
+
+    def call(self, tokens):
+        if self.method == "token":
+            return tokens[:, 0]
+        return ops.mean(tokens, axis=1)
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], input_shape[-1])
+
+    def get_config(self):
+        return {**super().get_config(), "method": self.method}

@@ -1,0 +1,156 @@
+"""`build_vit`: the Vision Transformer as a functional Keras model.
+
+Layer names are stable; the checkpoint converters map onto them:
+
+| layer | weights | original checkpoint |
+|---|---|---|
+| `rescaling` (if `include_rescaling`) | none | pixels / 127.5 - 1 |
+| `patch_encoder` | `kernel`, `bias`, `class_token`, `position_embedding` | `embedding/*`, `cls`, `Transformer/posembed_input/pos_embedding` |
+| `embedding_dropout` | none | dropout after the position embeddings |
+| `encoderblock_{i}` (i = 0 .. L-1) | see `TransformerBlock` | `Transformer/encoderblock_{i}/*` |
+| `encoder_norm` | `gamma`, `beta` | `Transformer/encoder_norm/{scale,bias}` |
+| `pooling` | none | class token or mean of the tokens |
+| `pre_logits` (if `representation_size`) | `kernel`, `bias` | `pre_logits/*` |
+| `head` (if `num_classes`) | `kernel`, `bias` | `head/*` |
+
+Inside `encoderblock_{i}`: `attention_norm` (LayerNorm_0), `attention`
+(MultiHeadDotProductAttention_1; `qkv_kernel` is query, key, value kernels
+reshaped to (D, D) and concatenated), `mlp_norm` (LayerNorm_2), `mlp_dense_1`
+and `mlp_dense_2` (MlpBlock_3/Dense_0, Dense_1).
+"""
+
+import keras
+
+from keras_vit import layers as vit_layers
+from keras_vit.variants import parse_variant, to_pair
+
+CLASSIFIERS = ("token", "gap")
+
+
+def _check_optional_positive(name, value):
+    if value is None or value == 0:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(
+            f"`{name}` must be a positive integer, or None. Received: {name}={value!r}"
+        )
+    return value
+
+
+def _default_name(variant):
+    return "vit_" + "".join(c for c in variant.lower() if c.isalnum())
+
+
+def build_vit(
+    variant,
+    *,
+    image_size=224,
+    num_classes=1000,
+    classifier="token",
+    representation_size=None,
+    dropout_rate=0.0,
+    attention_dropout_rate=0.0,
+    stochastic_depth_rate=0.0,
+    include_rescaling=True,
+    num_channels=3,
+    head_kernel_initializer="zeros",
+    patch_projection="conv",
+    name=None,
+    **overrides,
+):
+    """Builds a Vision Transformer (Dosovitskiy et al. 2020).
+
+    Args:
+        variant: paper notation, e.g. "Ti/16", "S/16", "B/16", "L/32", "H/14",
+            or "testing" (a tiny model for tests); see `keras_vit.VARIANTS`.
+        image_size: int or (height, width), each divisible by the patch size.
+        num_classes: width of the classification head; None or 0 returns the
+            pooled (pre-logits) features instead: a backbone.
+        classifier: "token" (the class token) or "gap" (mean of the patch
+            tokens; the model then has no class token).
+        representation_size: if set, a Dense + tanh "pre-logits" layer of this
+            width before the head (used when pre-training on ImageNet-21k).
+        dropout_rate: dropout after the embeddings, the attention and in the MLPs.
+        attention_dropout_rate: dropout on the attention probabilities.
+        stochastic_depth_rate: drop-path rate of the last block; block i uses
+            `stochastic_depth_rate * i / (num_layers - 1)` (linear rule).
+        include_rescaling: map input pixels from [0, 255] to [-1, 1]
+            (x / 127.5 - 1) inside the model, as the original checkpoints
+            expect; the model then takes raw pixels, uint8 or float.
+        num_channels: channels of the input images.
+        head_kernel_initializer: initializer of the head's kernel; zeros as in
+            the original implementation (what fine-tuning wants).
+        patch_projection: "conv" or "matmul", see `PatchEncoder`.
+        name: model name, by default derived from the variant ("vit_b16").
+        **overrides: `hidden_dim`, `num_layers`, `num_heads`, `mlp_dim`,
+            `patch_size`; they win over the variant's table entry.
+
+    Returns:
+        A functional `keras.Model` mapping (batch, height, width, channels)
+        images to float32 logits (batch, num_classes), or to the pooled
+        features when `num_classes` is None.
+
+    >>> model = build_vit("testing", image_size=32, num_classes=10)
+    >>> model.output_shape
+    (None, 10)
+    """
+    config = parse_variant(variant, **overrides)
+    height, width = to_pair(image_size, "image_size")
+    if height % config.patch_size[0] or width % config.patch_size[1]:
+        raise ValueError(
+            "`image_size` must be divisible by the patch size. Received: image_size="
+            f"{image_size!r}, patch_size={config.patch_size} (variant {variant!r})"
+        )
+    if classifier not in CLASSIFIERS:
+        raise ValueError(
+            f"`classifier` must be one of {CLASSIFIERS}. Received: classifier={classifier!r}"
+        )
+    num_classes = _check_optional_positive("num_classes", num_classes)
+    representation_size = _check_optional_positive("representation_size", representation_size)
+    if not isinstance(num_channels, int) or isinstance(num_channels, bool) or num_channels < 1:
+        raise ValueError(
+            f"`num_channels` must be a positive integer. Received: num_channels={num_channels!r}"
+        )
+    for rate_name, rate in (
+        ("dropout_rate", dropout_rate),
+        ("attention_dropout_rate", attention_dropout_rate),
+        ("stochastic_depth_rate", stochastic_depth_rate),
+    ):
+        vit_layers._check_rate(rate_name, rate)
+
+    # === Layers ===
+    images = keras.Input((height, width, num_channels), name="images")
+    x = images
+    if include_rescaling:
+        x = keras.layers.Rescaling(1.0 / 127.5, offset=-1.0, name="rescaling")(x)
+    x = vit_layers.PatchEncoder(
+        config.hidden_dim,
+        config.patch_size,
+        use_class_token=classifier == "token",
+        projection=patch_projection,
+        name="patch_encoder",
+    )(x)
+    x = keras.layers.Dropout(dropout_rate, name="embedding_dropout")(x)
+    for i in range(config.num_layers):
+        depth_fraction = i / (config.num_layers - 1) if config.num_layers > 1 else 1.0
+        x = vit_layers.TransformerBlock(
+            num_heads=config.num_heads,
+            mlp_dim=config.mlp_dim,
+            dropout_rate=dropout_rate,
+            attention_dropout_rate=attention_dropout_rate,
+            stochastic_depth_rate=stochastic_depth_rate * depth_fraction,
+            name=f"encoderblock_{i}",
+        )(x)
+    x = keras.layers.LayerNormalization(epsilon=1e-6, name="encoder_norm")(x)
+    x = vit_layers.TokenPooling(classifier, name="pooling")(x)
+    if representation_size:
+        x = keras.layers.Dense(representation_size, activation="tanh", name="pre_logits")(x)
+    if num_classes:
+        # float32 logits under any policy: softmax and the loss need the range.
+        x = keras.layers.Dense(
+            num_classes,
+            kernel_initializer=head_kernel_initializer,
+            dtype="float32",
+            name="head",
+        )(x)
+    return keras.Model(images, x, name=name or _default_name(variant))

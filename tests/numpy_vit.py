@@ -1,0 +1,118 @@
+"""An independent NumPy implementation of the ViT forward pass (paper eq. 1-4).
+
+Written from the paper's equations, in float64, with explicit loops over
+patches and heads, sharing no code with `keras_vit`.  Its weights come in the
+original checkpoint's naming and shapes (query/key/value kernels
+(D, heads, head_dim), output kernel (heads, head_dim, D)), read from a model by
+`params_from_model`.
+"""
+
+import math
+
+import numpy as np
+from scipy.special import erf
+
+
+def layer_norm(x, scale, bias, eps=1e-6):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * scale + bias
+
+
+def gelu(x):
+    return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def params_from_model(model):
+    """The model's weights as float64 arrays in the original checkpoint naming."""
+    p = {}
+    enc = model.get_layer("patch_encoder")
+    p["embedding/kernel"] = enc.kernel.numpy()
+    p["embedding/bias"] = enc.bias.numpy()
+    if enc.use_class_token:
+        p["cls"] = enc.class_token.numpy()
+    p["pos_embedding"] = enc.position_embedding.numpy()
+    i = 0
+    while True:
+        try:
+            block = model.get_layer(f"encoderblock_{i}")
+        except ValueError:
+            break
+        pre = f"encoderblock_{i}/"
+        att = block.attention
+        dim, heads = att.qkv_kernel.shape[0], att.num_heads
+        qkv_kernel = att.qkv_kernel.numpy().reshape(dim, 3, heads, dim // heads)
+        qkv_bias = att.qkv_bias.numpy().reshape(3, heads, dim // heads)
+        for j, name in enumerate(("query", "key", "value")):
+            p[pre + f"{name}/kernel"] = qkv_kernel[:, j]
+            p[pre + f"{name}/bias"] = qkv_bias[j]
+        p[pre + "out/kernel"] = att.output_kernel.numpy().reshape(heads, dim // heads, dim)
+        p[pre + "out/bias"] = att.output_bias.numpy()
+        for ours, theirs in (("attention_norm", "LayerNorm_0"), ("mlp_norm", "LayerNorm_2")):
+            norm = getattr(block, ours)
+            p[pre + theirs + "/scale"] = norm.gamma.numpy()
+            p[pre + theirs + "/bias"] = norm.beta.numpy()
+        for ours, theirs in (("mlp_dense_1", "Dense_0"), ("mlp_dense_2", "Dense_1")):
+            dense = getattr(block, ours)
+            p[pre + theirs + "/kernel"] = dense.kernel.numpy()
+            p[pre + theirs + "/bias"] = dense.bias.numpy()
+        i += 1
+    norm = model.get_layer("encoder_norm")
+    p["encoder_norm/scale"], p["encoder_norm/bias"] = norm.gamma.numpy(), norm.beta.numpy()
+    for name in ("pre_logits", "head"):
+        try:
+            layer = model.get_layer(name)
+        except ValueError:
+            continue
+        p[name + "/kernel"], p[name + "/bias"] = layer.kernel.numpy(), layer.bias.numpy()
+    return {k: np.asarray(v, np.float64) for k, v in p.items()}, i
+
+
+def vit_forward(params, num_layers, images, classifier="token", rescale=True):
+    """Logits (or pooled features if the params have no head) for NHWC images."""
+    x = np.asarray(images, np.float64)
+    if rescale:
+        x = x / 127.5 - 1.0
+    batch, height, width, _ = x.shape
+    ph, pw, _, dim = params["embedding/kernel"].shape
+    kernel = params["embedding/kernel"].reshape(-1, dim)
+    # Eq. 1: flatten each patch, project, prepend the class token, add positions.
+    tokens = []
+    for r in range(height // ph):
+        for c in range(width // pw):
+            patch = x[:, r * ph : (r + 1) * ph, c * pw : (c + 1) * pw, :].reshape(batch, -1)
+            tokens.append(patch @ kernel + params["embedding/bias"])
+    z = np.stack(tokens, axis=1)
+    if classifier == "token":
+        z = np.concatenate([np.repeat(params["cls"], batch, axis=0), z], axis=1)
+    z = z + params["pos_embedding"]
+    for i in range(num_layers):
+        pre = f"encoderblock_{i}/"
+        # Eq. 2: z' = MSA(LN(z)) + z.
+        y = layer_norm(z, params[pre + "LayerNorm_0/scale"], params[pre + "LayerNorm_0/bias"])
+        heads = params[pre + "query/kernel"].shape[1]
+        out = np.zeros_like(z)
+        for h in range(heads):
+            q = y @ params[pre + "query/kernel"][:, h] + params[pre + "query/bias"][h]
+            k = y @ params[pre + "key/kernel"][:, h] + params[pre + "key/bias"][h]
+            v = y @ params[pre + "value/kernel"][:, h] + params[pre + "value/bias"][h]
+            a = softmax(q @ k.transpose(0, 2, 1) / math.sqrt(q.shape[-1]))
+            out += (a @ v) @ params[pre + "out/kernel"][h]
+        z = z + out + params[pre + "out/bias"]
+        # Eq. 3: z = MLP(LN(z')) + z'.
+        y = layer_norm(z, params[pre + "LayerNorm_2/scale"], params[pre + "LayerNorm_2/bias"])
+        y = gelu(y @ params[pre + "Dense_0/kernel"] + params[pre + "Dense_0/bias"])
+        z = z + y @ params[pre + "Dense_1/kernel"] + params[pre + "Dense_1/bias"]
+    # Eq. 4: y = LN(z_L^0) (or the mean of the tokens for "gap").
+    z = layer_norm(z, params["encoder_norm/scale"], params["encoder_norm/bias"])
+    pooled = z[:, 0] if classifier == "token" else z.mean(axis=1)
+    if "pre_logits/kernel" in params:
+        pooled = np.tanh(pooled @ params["pre_logits/kernel"] + params["pre_logits/bias"])
+    if "head/kernel" in params:
+        return pooled @ params["head/kernel"] + params["head/bias"]
+    return pooled

@@ -1,0 +1,141 @@
+import inspect
+
+import keras
+import numpy as np
+import pytest
+
+from keras_vit import layers as vit_layers
+from tests.conftest import random_images
+
+BASE_LAYER_KEYS = {"name", "trainable", "dtype"}
+
+# (layer class, constructor kwargs, input shape, trainable weights).
+LAYER_CASES = [
+    (vit_layers.Patches, dict(patch_size=(4, 2)), (2, 8, 6, 3), 0),
+    (vit_layers.PatchEncoder, dict(hidden_dim=8, patch_size=4), (2, 8, 12, 3), 4),
+    (
+        vit_layers.PatchEncoder,
+        dict(hidden_dim=8, patch_size=(2, 4), use_class_token=False, projection="matmul"),
+        (2, 8, 12, 3),
+        3,
+    ),
+    (vit_layers.MultiHeadSelfAttention, dict(num_heads=2, dropout_rate=0.1, seed=3), (2, 5, 8), 4),
+    (
+        vit_layers.TransformerBlock,
+        dict(
+            num_heads=2,
+            mlp_dim=16,
+            dropout_rate=0.1,
+            attention_dropout_rate=0.1,
+            stochastic_depth_rate=0.2,
+            layer_norm_epsilon=1e-5,
+            seed=1,
+        ),
+        (2, 5, 8),
+        12,
+    ),
+    (vit_layers.TokenPooling, dict(method="gap"), (2, 5, 8), 0),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs, shape, num_trainable", LAYER_CASES)
+def test_layer_config_round_trip(cls, kwargs, shape, num_trainable):
+    layer = cls(**kwargs)
+    x = np.random.default_rng(0).normal(size=shape).astype("float32")
+    expected = layer(x)
+    assert len(layer.trainable_weights) == num_trainable
+    assert tuple(expected.shape) == layer.compute_output_shape(shape)
+
+    config = layer.get_config()
+    # get_config returns exactly the constructor's arguments (plus the base Layer's).
+    params = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+    assert set(config) - BASE_LAYER_KEYS == params
+    for key, value in kwargs.items():
+        if key != "patch_size":
+            assert config[key] == value
+
+    # Through the serialization registry, as a .keras file does.
+    serialized = keras.saving.serialize_keras_object(layer)
+    assert serialized["registered_name"] == f"keras_vit>{cls.__name__}"
+    clone = keras.saving.deserialize_keras_object(serialized)
+    assert type(clone) is cls
+    assert clone.get_config() == config
+    if not clone.built:  # A serialized layer carries its build config.
+        clone.build(shape)
+    clone.set_weights(layer.get_weights())
+    np.testing.assert_array_equal(clone(x), expected)
+
+
+def test_patches_order_matches_a_manual_split():
+    images = random_images((2, 8, 12, 3))
+    patches = np.asarray(vit_layers.Patches((4, 3))(images))
+    assert patches.shape == (2, 8, 36)
+    # Patch 5 is grid row 1, column 1: rows 4..8, columns 3..6, flattened (row, col, channel).
+    np.testing.assert_array_equal(patches[:, 5], images[:, 4:8, 3:6, :].reshape(2, -1))
+
+
+@pytest.mark.parametrize("patch_size, image_shape", [(4, (2, 16, 16, 3)), ((2, 4), (3, 6, 12, 1))])
+def test_conv_and_matmul_projection_agree(patch_size, image_shape):
+    images = np.random.default_rng(1).normal(size=image_shape).astype("float32")
+    conv = vit_layers.PatchEncoder(16, patch_size, projection="conv")
+    matmul = vit_layers.PatchEncoder(16, patch_size, projection="matmul")
+    conv.build(image_shape)
+    matmul.build(image_shape)
+    weights = [np.random.default_rng(2).normal(size=w.shape) for w in conv.weights]
+    conv.set_weights(weights)
+    matmul.set_weights(weights)
+    np.testing.assert_allclose(conv(images), matmul(images), atol=1e-5)
+
+
+def test_patch_encoder_initialisation():
+    encoder = vit_layers.PatchEncoder(64, 4)
+    encoder.build((1, 32, 32, 3))
+    np.testing.assert_array_equal(encoder.class_token.numpy(), 0.0)
+    pos = encoder.position_embedding.numpy()
+    assert pos.shape == (1, 65, 64)
+    assert abs(pos.std() - 0.02) < 0.002 and abs(pos.mean()) < 0.002
+
+
+def test_attention_returns_row_stochastic_scores():
+    attention = vit_layers.MultiHeadSelfAttention(num_heads=4)
+    x = np.random.default_rng(0).normal(size=(2, 7, 16)).astype("float32")
+    out, scores = attention(x, return_attention_scores=True)
+    assert tuple(out.shape) == (2, 7, 16)
+    assert tuple(scores.shape) == (2, 4, 7, 7)
+    np.testing.assert_allclose(np.asarray(scores).sum(-1), 1.0, atol=1e-6)
+    np.testing.assert_array_equal(attention(x), out)
+
+
+def test_stochastic_depth_drops_whole_samples_in_training_only():
+    block = vit_layers.TransformerBlock(num_heads=2, mlp_dim=8, stochastic_depth_rate=0.5, seed=0)
+    x = np.random.default_rng(0).normal(size=(64, 3, 4)).astype("float32")
+    inference = np.asarray(block(x, training=False))
+    assert not np.allclose(inference, x)
+    trained = np.asarray(block(x, training=True))
+    unchanged = np.all(np.isclose(trained, x), axis=(1, 2))
+    # Both branches dropped has probability 0.25 per sample: about 16 of 64.
+    assert 4 <= unchanged.sum() <= 32
+
+
+@pytest.mark.parametrize(
+    "make, pattern",
+    [
+        (lambda: vit_layers.Patches(0), r"patch_size=0"),
+        (lambda: vit_layers.PatchEncoder(0, 4), r"hidden_dim=0"),
+        (lambda: vit_layers.PatchEncoder(8, 4, projection="fft"), r"projection='fft'"),
+        (lambda: vit_layers.MultiHeadSelfAttention(-2), r"num_heads=-2"),
+        (lambda: vit_layers.MultiHeadSelfAttention(2, dropout_rate=1.5), r"dropout_rate=1.5"),
+        (lambda: vit_layers.TransformerBlock(2, 0), r"mlp_dim=0"),
+        (lambda: vit_layers.TokenPooling("max"), r"method='max'"),
+    ],
+)
+def test_layer_constructor_errors(make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make()
+
+
+def test_layer_build_errors():
+    with pytest.raises(ValueError, match=r"divisible by the patch size.*\(10, 12\).*\(4, 4\)"):
+        vit_layers.PatchEncoder(8, 4)(np.zeros((1, 10, 12, 3), "float32"))
+    with pytest.raises(ValueError, match=r"divisible by `num_heads`.*num_heads=3"):
+        vit_layers.MultiHeadSelfAttention(3)(np.zeros((1, 4, 8), "float32"))

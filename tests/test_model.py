@@ -1,0 +1,228 @@
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_vit
+from tests import numpy_vit
+from tests.conftest import random_images, randomize_weights
+
+SMALL = dict(hidden_dim=16, num_layers=2, num_heads=4, mlp_dim=32, patch_size=4)
+
+
+def small_vit(**kwargs):
+    args = dict(image_size=(8, 12), num_classes=5, head_kernel_initializer="glorot_uniform")
+    args.update(SMALL)
+    args.update(kwargs)
+    return keras_vit.build_vit("testing", **args)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(classifier="gap"),
+        dict(representation_size=12),
+        dict(num_classes=None),
+        dict(classifier="gap", patch_projection="matmul", patch_size=(2, 4)),
+    ],
+)
+def test_forward_matches_numpy_reference(kwargs):
+    model = randomize_weights(small_vit(**kwargs))
+    images = random_images((3, 8, 12, 3))
+    params, num_layers = numpy_vit.params_from_model(model)
+    assert num_layers == SMALL["num_layers"]
+    expected = numpy_vit.vit_forward(
+        params, num_layers, images, classifier=kwargs.get("classifier", "token")
+    )
+    got = model.predict(images, verbose=0)
+    assert got.shape == expected.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+    # Not a vacuous comparison: the outputs differ across images and are not tiny.
+    assert np.abs(expected).max() > 0.1 and np.ptp(expected, axis=0).max() > 0.1
+
+
+def test_uint8_and_float_pixels_give_the_same_output():
+    model = randomize_weights(small_vit())
+    images = random_images((2, 8, 12, 3))
+    np.testing.assert_array_equal(
+        model.predict(images.astype(np.uint8), verbose=0), model.predict(images, verbose=0)
+    )
+
+
+def test_without_rescaling_the_model_takes_normalised_inputs():
+    model = randomize_weights(small_vit(include_rescaling=False))
+    images = random_images((2, 8, 12, 3))
+    params, num_layers = numpy_vit.params_from_model(model)
+    expected = numpy_vit.vit_forward(params, num_layers, images / 127.5 - 1.0, rescale=False)
+    np.testing.assert_allclose(model(images / 127.5 - 1.0), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(classifier="gap", representation_size=8, dropout_rate=0.1, stochastic_depth_rate=0.1),
+        dict(num_classes=None, attention_dropout_rate=0.1),
+    ],
+)
+def test_keras_save_and_reload_is_exact(tmp_path, kwargs):
+    model = randomize_weights(small_vit(**kwargs))
+    images = random_images((4, 8, 12, 3))
+    expected = model.predict(images, verbose=0)
+    path = tmp_path / "vit.keras"
+    model.save(path)
+    # No custom_objects and the default safe_mode=True: the layers are registered.
+    restored = keras.saving.load_model(path)
+    assert [layer.name for layer in restored.layers] == [layer.name for layer in model.layers]
+    np.testing.assert_array_equal(restored.predict(images, verbose=0), expected)
+    # Equal configs once JSON has turned tuples into lists.
+    assert json.loads(json.dumps(restored.get_config())) == json.loads(json.dumps(model.get_config()))
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_every_trainable_weight_receives_a_gradient(classifier):
+    model = small_vit(classifier=classifier, representation_size=8)
+    images = random_images((4, 8, 12, 3))
+    labels = np.array([0, 1, 2, 3])
+    with tf.GradientTape() as tape:
+        logits = model(images, training=True)
+        loss = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+    grads = tape.gradient(loss, model.trainable_weights)
+    assert len(grads) == len(model.trainable_weights) > 0
+    for weight, grad in zip(model.trainable_weights, grads):
+        assert grad is not None, weight.path
+        assert np.abs(np.asarray(grad)).max() > 0, weight.path
+
+
+def test_default_head_and_class_token_start_at_zero():
+    model = keras_vit.build_vit("testing", image_size=32, num_classes=3)
+    np.testing.assert_array_equal(model.get_layer("head").kernel.numpy(), 0.0)
+    np.testing.assert_array_equal(model.get_layer("patch_encoder").class_token.numpy(), 0.0)
+
+
+@pytest.mark.parametrize("precision, tolerance", [("mixed_bfloat16", 0.05), ("mixed_float16", 0.01)])
+def test_mixed_precision_is_finite_and_close_to_float32(policy, precision, tolerance):
+    reference = randomize_weights(small_vit(), scale=0.1)
+    images = random_images((4, 8, 12, 3))
+    expected = reference.predict(images, verbose=0)
+    policy(precision)
+    model = small_vit()
+    model.set_weights(reference.get_weights())
+    encoder = model.get_layer("patch_encoder")
+    assert encoder.compute_dtype == precision.split("_")[1]
+    assert encoder.class_token.dtype == "float32"  # Variables stay float32.
+    got = model.predict(images, verbose=0)
+    assert got.dtype == np.float32  # Logits are float32 under every policy.
+    assert np.isfinite(got).all()
+    scale = np.abs(expected).max()
+    assert scale > 0.1
+    assert np.abs(got - expected).max() <= tolerance * scale
+
+
+def test_mixed_precision_trains_with_xla(policy):
+    policy("mixed_bfloat16")
+    model = small_vit()
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    history = model.fit(random_images((8, 8, 12, 3)), np.arange(8) % 5, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+
+
+def test_xla_compiled_train_step_runs_and_learns():
+    model = small_vit(dropout_rate=0.1, stochastic_depth_rate=0.1)
+    model.compile(
+        optimizer=keras.optimizers.AdamW(3e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    assert model.jit_compile is True
+    images, labels = random_images((16, 8, 12, 3)), np.arange(16) % 5
+    before = [w.numpy().copy() for w in model.trainable_weights]
+    history = model.fit(images, labels, batch_size=8, epochs=15, verbose=0)
+    losses = history.history["loss"]
+    assert np.isfinite(losses).all()
+    assert losses[-1] < 0.5 * losses[0]  # It can fit 16 random images.
+    changed = [not np.array_equal(b, w.numpy()) for b, w in zip(before, model.trainable_weights)]
+    assert all(changed)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(image_size=30), r"image_size=30, patch_size=\(16, 16\)"),
+        (dict(image_size=(32, 40)), r"image_size=\(32, 40\), patch_size=\(16, 16\)"),
+        (dict(image_size=0), r"image_size=0"),
+        (dict(image_size=(32, -32)), r"image_size=\(32, -32\)"),
+        (dict(num_classes=-3), r"num_classes=-3"),
+        (dict(representation_size=-1), r"representation_size=-1"),
+        (dict(hidden_dim=0), r"hidden_dim=0"),
+        (dict(num_layers=0), r"num_layers=0"),
+        (dict(num_heads=-1), r"num_heads=-1"),
+        (dict(mlp_dim=0), r"mlp_dim=0"),
+        (dict(patch_size=0), r"patch_size=0"),
+        (dict(hidden_dim=12, num_heads=5), r"hidden_dim=12, num_heads=5"),
+        (dict(num_channels=0), r"num_channels=0"),
+        (dict(classifier="cls"), r"classifier='cls'"),
+        (dict(dropout_rate=1.0), r"dropout_rate=1.0"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs, pattern):
+    args = dict(image_size=32)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=pattern):
+        keras_vit.build_vit("testing", **args)
+
+
+def test_wrong_channel_count_raises_value_error():
+    model = keras_vit.build_vit("testing", image_size=32, num_classes=3)
+    with pytest.raises(ValueError, match=r"expects images of shape \(batch, 32, 32, 3\).*\(2, 32, 32, 1\)"):
+        model(np.zeros((2, 32, 32, 1), "float32"))
+    gray = keras_vit.build_vit("testing", image_size=32, num_classes=3, num_channels=1)
+    assert gray(np.zeros((2, 32, 32, 1), "float32")).shape == (2, 3)
+
+
+def test_names_are_stable():
+    model = keras_vit.build_vit("testing", image_size=32, num_classes=3, representation_size=4)
+    assert [layer.name for layer in model.layers] == [
+        "images",
+        "rescaling",
+        "patch_encoder",
+        "embedding_dropout",
+        "encoderblock_0",
+        "encoder_norm",
+        "pooling",
+        "pre_logits",
+        "head",
+    ]
+    assert model.name == "vit_testing"
+    assert keras_vit.build_vit("B/16", num_classes=None).name == "vit_b16"
+    block = model.get_layer("encoderblock_0")
+    assert sorted(w.path for w in block.weights) == sorted(
+        f"encoderblock_0/{path}"
+        for path in [
+            "attention_norm/gamma",
+            "attention_norm/beta",
+            "attention/qkv_kernel",
+            "attention/qkv_bias",
+            "attention/output_kernel",
+            "attention/output_bias",
+            "mlp_norm/gamma",
+            "mlp_norm/beta",
+            "mlp_dense_1/kernel",
+            "mlp_dense_1/bias",
+            "mlp_dense_2/kernel",
+            "mlp_dense_2/bias",
+        ]
+    )
+
+
+def test_stochastic_depth_rate_grows_linearly_with_depth():
+    model = keras_vit.build_vit("testing", image_size=32, num_layers=5, stochastic_depth_rate=0.2)
+    rates = [model.get_layer(f"encoderblock_{i}").stochastic_depth_rate for i in range(5)]
+    np.testing.assert_allclose(rates, [0.0, 0.05, 0.1, 0.15, 0.2])
