@@ -13,8 +13,13 @@ import json
 import os
 import time
 
+import keras
+import tensorflow as tf
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+import keras_vit
+from keras_vit import data as vit_data
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "experiments/configs/digits.py", "Python config file; fields can be overridden."
@@ -22,44 +27,39 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", "runs/digits", "Where the model and metrics go.")
 
 
-class Throughput:
-    """Times training epochs; the first epoch (tracing and compilation) is left out."""
+class Throughput(keras.callbacks.Callback):
+    """Times the training steps of each epoch (validation excluded).
+
+    The first epoch (tracing and XLA compilation) is left out of the rate.
+    """
 
     def __init__(self):
+        super().__init__()
         self.epoch_seconds = []
 
-    def callback(self):
-        import keras
+    def on_epoch_begin(self, epoch, logs=None):
+        self.start = self.last_step = time.perf_counter()
 
-        timer = self
+    def on_train_batch_end(self, batch, logs=None):
+        self.last_step = time.perf_counter()
 
-        class _Callback(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):
-                self.start = time.perf_counter()
-
-            def on_epoch_end(self, epoch, logs=None):
-                timer.epoch_seconds.append(time.perf_counter() - self.start)
-
-        return _Callback()
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_seconds.append(self.last_step - self.start)
 
     def images_per_second(self, images_per_epoch):
         timed = self.epoch_seconds[1:] or self.epoch_seconds
-        return images_per_epoch * len(timed) / sum(timed) if timed else float("nan")
+        return images_per_epoch * len(timed) / sum(timed)
 
 
 def load_data(config):
-    from keras_vit import data
-
     if config.dataset != "digits":
         raise ValueError(f"Unknown dataset {config.dataset!r}. Expected 'digits'.")
-    return data.load_digits(
+    return vit_data.load_digits(
         image_size=config.image_size, test_fraction=config.test_fraction, seed=config.seed
     )
 
 
 def build_model(config, num_classes):
-    import keras_vit
-
     model_config = dict(config.model)
     variant = model_config.pop("variant")
     return keras_vit.build_vit(
@@ -68,8 +68,6 @@ def build_model(config, num_classes):
 
 
 def make_optimizer(config, steps_per_epoch):
-    import keras
-
     total_steps = config.epochs * steps_per_epoch
     warmup_steps = min(config.warmup_epochs * steps_per_epoch, total_steps - 1)
     schedule = keras.optimizers.schedules.CosineDecay(
@@ -91,11 +89,6 @@ def make_optimizer(config, steps_per_epoch):
 
 def train_and_evaluate(config, workdir):
     """Runs the whole job; returns the metrics it writes to `workdir`."""
-    import keras
-    import tensorflow as tf
-
-    from keras_vit import data as vit_data
-
     tf.io.gfile.makedirs(workdir)
     keras.utils.set_random_seed(config.seed)
     keras.mixed_precision.set_global_policy(config.precision)
@@ -134,7 +127,7 @@ def train_and_evaluate(config, workdir):
         validation_data=test_ds,
         callbacks=[
             keras.callbacks.BackupAndRestore(os.path.join(workdir, "backup")),
-            throughput.callback(),
+            throughput,
         ],
         verbose=2,
     )

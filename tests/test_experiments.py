@@ -1,0 +1,94 @@
+"""The entry points, run as a user runs them."""
+
+import json
+import os
+import subprocess
+import sys
+import pathlib
+
+import keras
+import numpy as np
+
+from keras_vit import data as vit_data
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_module(module, *args, timeout=900):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_main_job_with_defaults_reaches_97_percent(tmp_path):
+    """The README's main command, defaults unchanged."""
+    workdir = tmp_path / "digits"
+    stdout = run_module("experiments.train", f"--workdir={workdir}")
+    assert str(workdir) in stdout
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    assert metrics["test_accuracy"] >= 0.97, metrics
+    assert metrics["epochs"] == 60 and metrics["train_images_per_second"] > 0
+    assert np.isfinite(metrics["test_loss"])
+
+    # The saved model is the trained one: it reproduces the reported accuracy.
+    model = keras.saving.load_model(workdir / "model.keras")
+    dataset = vit_data.load_digits(image_size=16, test_fraction=0.2, seed=0)
+    predictions = model.predict(dataset.test.images, verbose=0).argmax(-1)
+    accuracy = float((predictions == dataset.test.labels).mean())
+    assert abs(accuracy - metrics["test_accuracy"]) < 1e-6
+    history = json.loads((workdir / "history.json").read_text())
+    assert len(history["loss"]) == 60
+    assert not (workdir / "backup").exists()  # Removed after a completed run.
+
+
+def test_config_overrides_from_the_command_line(tmp_path):
+    stdout = run_module(
+        "experiments.train",
+        f"--workdir={tmp_path}",
+        "--config.epochs=2",
+        "--config.model.num_layers=1",
+        "--config.model.classifier=gap",
+        "--config.jit_compile=False",
+    )
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["epochs"] == 2 and "test_accuracy" in stdout
+    model = keras.saving.load_model(tmp_path / "model.keras")
+    assert model.get_layer("pooling").method == "gap"
+    assert [l.name for l in model.layers].count("encoderblock_0") == 1
+    assert "encoderblock_1" not in [l.name for l in model.layers]
+
+
+def test_benchmark_runs():
+    stdout = run_module(
+        "experiments.benchmark",
+        "--mode=patch_projection",
+        "--variant=testing",
+        "--image_size=32",
+        "--batch_size=2",
+        "--repeats=2",
+    )
+    assert "conv is" in stdout and "images/s" in stdout
+
+
+def test_digits_data():
+    dataset = vit_data.load_digits(image_size=16, test_fraction=0.2, seed=0)
+    assert dataset.train.images.shape == (1437, 16, 16, 3)
+    assert dataset.test.images.shape == (360, 16, 16, 3)
+    assert dataset.train.images.dtype == np.uint8 and dataset.train.images.max() == 255
+    # Stratified: every class is in the test split in its proportion (~36 each).
+    assert set(np.bincount(dataset.test.labels)) <= set(range(34, 39))
+    train = vit_data.make_pipeline(dataset.train, 64, training=True, num_classes=10, max_shift=2)
+    images, labels = next(iter(train))
+    assert images.shape == (64, 16, 16, 3) and images.dtype == "uint8"
+    assert labels.shape == (64, 10)
+    assert len(list(train)) == 1437 // 64  # drop_remainder for training
+    test = vit_data.make_pipeline(dataset.test, 64, training=False)
+    assert sum(len(y) for _, y in test) == 360  # every test example kept, in order
