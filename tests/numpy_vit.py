@@ -73,8 +73,12 @@ def params_from_model(model):
     return {k: np.asarray(v, np.float64) for k, v in p.items()}, i
 
 
-def vit_forward(params, num_layers, images, classifier="token", rescale=True):
-    """Logits (or pooled features if the params have no head) for NHWC images."""
+def vit_forward(params, num_layers, images, classifier="token", rescale=True, attention=None):
+    """Logits (or pooled features if the params have no head) for NHWC images.
+
+    If `attention` is a list, each layer's attention probabilities
+    [batch, heads, tokens, tokens] are appended to it.
+    """
     x = np.asarray(images, np.float64)
     if rescale:
         x = x / 127.5 - 1.0
@@ -97,12 +101,16 @@ def vit_forward(params, num_layers, images, classifier="token", rescale=True):
         y = layer_norm(z, params[pre + "LayerNorm_0/scale"], params[pre + "LayerNorm_0/bias"])
         heads = params[pre + "query/kernel"].shape[1]
         out = np.zeros_like(z)
+        layer_attention = []
         for h in range(heads):
             q = y @ params[pre + "query/kernel"][:, h] + params[pre + "query/bias"][h]
             k = y @ params[pre + "key/kernel"][:, h] + params[pre + "key/bias"][h]
             v = y @ params[pre + "value/kernel"][:, h] + params[pre + "value/bias"][h]
             a = softmax(q @ k.transpose(0, 2, 1) / math.sqrt(q.shape[-1]))
             out += (a @ v) @ params[pre + "out/kernel"][h]
+            layer_attention.append(a)
+        if attention is not None:
+            attention.append(np.stack(layer_attention, axis=1))
         z = z + out + params[pre + "out/bias"]
         # Eq. 3: z = MLP(LN(z')) + z'.
         y = layer_norm(z, params[pre + "LayerNorm_2/scale"], params[pre + "LayerNorm_2/bias"])

@@ -1,0 +1,423 @@
+"""What a ViT learned: attention maps, rollout, attention distance, embeddings.
+
+The computing functions return NumPy arrays; the `plot_*` functions draw them
+with matplotlib (no display needed) and are kept apart, so the numbers can be
+tested and reused without a figure.
+
+Every function reads the model it is given, layer by layer, with that model's
+own weights: no copy that could drift, no retraining.  They work for both
+classifiers ("token" and "gap") and for models whose weights were loaded from
+checkpoints.
+
+Paper: Dosovitskiy et al. 2020, Figure 7 (filters, position similarity, mean
+attention distance) and Figure 6 (attention maps by rollout, Abnar & Zuidema
+2020, "Quantifying Attention Flow in Transformers").
+"""
+
+import math
+
+import keras
+import numpy as np
+
+from keras_vit.layers import PatchEncoder, TransformerBlock
+
+HEAD_FUSIONS = ("mean", "max", "min")
+
+
+# === Reading the model ===
+
+
+def _patch_encoder(model):
+    encoders = [layer for layer in model.layers if isinstance(layer, PatchEncoder)]
+    if len(encoders) != 1:
+        raise ValueError(
+            f"Expected a ViT with one PatchEncoder layer. Received: model {model.name!r} with "
+            f"{len(encoders)} PatchEncoder layers."
+        )
+    return encoders[0]
+
+
+def _check_images(model, images):
+    images = np.asarray(images)
+    expected = tuple(model.input_shape[1:])
+    if images.ndim == 3:
+        images = images[None]
+    if images.ndim != 4 or images.shape[1:] != expected:
+        raise ValueError(
+            f"Expected images of shape (batch, {', '.join(map(str, expected))}) for model "
+            f"{model.name!r}. Received: shape {images.shape}"
+        )
+    return images
+
+
+def attention_weights(model, images, batch_size=32):
+    """The attention probabilities of every encoder block.
+
+    Runs the model's layers in order on `images` (inference mode), asking each
+    `TransformerBlock` for its attention probabilities.
+
+    Args:
+        model: a model from `build_vit` (or loaded from `.keras`).
+        images: (batch, H, W, C) or one (H, W, C) image, pixels as the model
+            takes them.
+        batch_size: images per forward pass.
+
+    Returns:
+        float32 array [layers, batch, heads, tokens, tokens]; rows (queries)
+        sum to 1.  Token 0 is the class token when the model has one.
+    """
+    images = _check_images(model, images)
+    _patch_encoder(model)  # A clear error for models that are not ViTs.
+    chunks = []
+    for start in range(0, len(images), batch_size):
+        x = keras.ops.convert_to_tensor(images[start : start + batch_size])
+        scores = []
+        for layer in model.layers[1:]:
+            if isinstance(layer, TransformerBlock):
+                x, s = layer(x, training=False, return_attention_scores=True)
+                scores.append(keras.ops.convert_to_numpy(s).astype(np.float32))
+            elif scores:
+                break  # Past the encoder: the head is not needed.
+            else:
+                x = layer(x, training=False)
+        chunks.append(np.stack(scores))
+    return np.concatenate(chunks, axis=1)
+
+
+def _grid(model):
+    encoder = _patch_encoder(model)
+    return encoder.grid_size, encoder.patch_size, encoder.use_class_token
+
+
+# === Attention rollout ===
+
+
+def rollout(attentions, head_fusion="mean", discard_ratio=0.0, class_token=True):
+    """Attention rollout over the layers (Abnar & Zuidema 2020).
+
+    For each layer: fuse the heads (mean, max or min), zero the weakest
+    `discard_ratio` of the attention entries, add the identity for the
+    residual path, renormalise the rows; then multiply the layers (last layer
+    on the left).
+
+    Args:
+        attentions: [layers, batch, heads, tokens, tokens].
+        class_token: token 0 is a class token; attention to it is never
+            discarded, since it is the path through which the class token's
+            own information flows.
+
+    Returns:
+        [batch, tokens, tokens]: how much each output token draws on each input
+        token.
+    """
+    if head_fusion not in HEAD_FUSIONS:
+        raise ValueError(
+            f"`head_fusion` must be one of {HEAD_FUSIONS}. Received: head_fusion={head_fusion!r}"
+        )
+    if not 0.0 <= discard_ratio < 1.0:
+        raise ValueError(f"`discard_ratio` must be in [0, 1). Received: discard_ratio={discard_ratio!r}")
+    attentions = np.asarray(attentions, np.float64)
+    if attentions.ndim != 5 or attentions.shape[-1] != attentions.shape[-2]:
+        raise ValueError(
+            "Expected attentions of shape [layers, batch, heads, tokens, tokens]. Received: "
+            f"shape {attentions.shape}"
+        )
+    _, batch, _, tokens, _ = attentions.shape
+    identity = np.eye(tokens)
+    joint = np.broadcast_to(identity, (batch, tokens, tokens))
+    for layer_attention in attentions:
+        fused = getattr(layer_attention, head_fusion)(axis=1)  # [batch, tokens, tokens]
+        if discard_ratio > 0:
+            flat = fused.reshape(batch, -1).copy()
+            num_discard = int(flat.shape[1] * discard_ratio)
+            weakest = np.argsort(flat, axis=1)[:, :num_discard]
+            for b in range(batch):
+                discard = weakest[b]
+                if class_token:
+                    discard = discard[discard % tokens != 0]
+                flat[b, discard] = 0.0
+            fused = flat.reshape(batch, tokens, tokens)
+        a = fused + identity
+        a = a / a.sum(axis=-1, keepdims=True)
+        joint = a @ joint
+    return joint
+
+
+def attention_rollout(model, images, *, head_fusion="mean", discard_ratio=0.0):
+    """Rollout maps of what the model's output draws on, at the image's size.
+
+    For a class-token model, the class token's row of the rollout; for a "gap"
+    model (which pools the mean of all tokens) the mean of the rows.  The map
+    over the patch grid is scaled so its maximum is 1 and upsampled
+    (bilinear) to the input size.
+
+    Returns:
+        float32 [batch, H, W] in [0, 1].
+    """
+    images = _check_images(model, images)
+    (gh, gw), _, has_class_token = _grid(model)
+    joint = rollout(attention_weights(model, images), head_fusion, discard_ratio, has_class_token)
+    if has_class_token:
+        maps = joint[:, 0, 1:]
+    else:
+        maps = joint.mean(axis=1)
+    maps = maps.reshape(-1, gh, gw)
+    maps = maps / np.maximum(maps.max(axis=(1, 2), keepdims=True), 1e-12)
+    height, width = images.shape[1:3]
+    resized = keras.ops.image.resize(
+        maps[..., None].astype(np.float32), (height, width), interpolation="bilinear"
+    )
+    return np.clip(keras.ops.convert_to_numpy(resized)[..., 0], 0.0, 1.0)
+
+
+# === Mean attention distance ===
+
+
+def patch_distances(grid_size, patch_size):
+    """Euclidean distances in pixels between patch centres: [patches, patches]."""
+    (gh, gw), (ph, pw) = grid_size, patch_size
+    rows, cols = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
+    centres = np.stack([(rows.ravel() + 0.5) * ph, (cols.ravel() + 0.5) * pw], axis=-1)
+    return np.linalg.norm(centres[:, None, :] - centres[None, :, :], axis=-1)
+
+
+def mean_distance(attentions, grid_size, patch_size, has_class_token):
+    """Mean attention distance in pixels, [layers, heads], from attention maps.
+
+    For each query patch: the attention-weighted mean distance between its
+    centre and the key patches' centres; averaged over query patches and
+    images.  The class token has no position: its row and column are left out,
+    and the remaining weights of each row are renormalised over the patches.
+    """
+    attentions = np.asarray(attentions, np.float64)
+    if has_class_token:
+        attentions = attentions[..., 1:, 1:]
+    distances = patch_distances(grid_size, patch_size)
+    if attentions.shape[-1] != distances.shape[0]:
+        raise ValueError(
+            f"Attention over {attentions.shape[-1]} patches does not match the grid {grid_size}."
+        )
+    weights = attentions / np.maximum(attentions.sum(axis=-1, keepdims=True), 1e-12)
+    per_query = (weights * distances).sum(axis=-1)  # [layers, batch, heads, queries]
+    return per_query.mean(axis=(1, 3))
+
+
+def mean_attention_distance(model, images):
+    """Mean attention distance in pixels, [layers, heads] (paper Figure 7, right)."""
+    grid_size, patch_size, has_class_token = _grid(model)
+    return mean_distance(attention_weights(model, images), grid_size, patch_size, has_class_token)
+
+
+# === Embeddings ===
+
+
+def position_embedding_similarity(model):
+    """Cosine similarity between the position embeddings of the patches.
+
+    Returns [grid_h, grid_w, grid_h, grid_w]: entry (i, j, k, l) is the
+    similarity of patch (i, j)'s embedding with patch (k, l)'s (paper
+    Figure 7, centre).  The class token's embedding is left out.
+    """
+    (gh, gw), _, has_class_token = _grid(model)
+    posemb = keras.ops.convert_to_numpy(_patch_encoder(model).position_embedding)[0]
+    posemb = posemb[1:] if has_class_token else posemb
+    posemb = posemb.astype(np.float64)
+    unit = posemb / np.maximum(np.linalg.norm(posemb, axis=-1, keepdims=True), 1e-12)
+    return (unit @ unit.T).reshape(gh, gw, gh, gw)
+
+
+def neighbour_similarity(similarity):
+    """Mean position similarity of neighbouring versus distant patches.
+
+    Neighbours: patches sharing an edge.  Distant: patches at least half the
+    grid apart along one axis (Chebyshev distance >= max(grid) / 2).  A grid
+    structure like the paper's shows as neighbours well above distant.
+
+    Returns:
+        {"position_similarity_neighbours": float, "position_similarity_distant": float}
+    """
+    gh, gw = similarity.shape[:2]
+    rows, cols = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
+    rows, cols = rows.ravel(), cols.ravel()
+    dr = np.abs(rows[:, None] - rows[None, :])
+    dc = np.abs(cols[:, None] - cols[None, :])
+    flat = similarity.reshape(gh * gw, gh * gw)
+    neighbours = (dr + dc) == 1
+    distant = np.maximum(dr, dc) >= max(gh, gw) / 2
+    if not neighbours.any() or not distant.any():
+        raise ValueError(f"The patch grid {(gh, gw)} is too small to compare neighbours and distant patches.")
+    return {
+        "position_similarity_neighbours": float(flat[neighbours].mean()),
+        "position_similarity_distant": float(flat[distant].mean()),
+    }
+
+
+def patch_embedding_filters(model, num_components=28):
+    """The top principal components of the patch-embedding filters (Figure 7, left).
+
+    Each of the D columns of the embedding kernel is a filter of
+    patch_h * patch_w * channels values; the principal components of these D
+    filters (centred) are returned as patches, in decreasing order of variance.
+
+    Returns:
+        [num_components, patch_h, patch_w, channels]; as flat vectors the
+        components are orthonormal.
+    """
+    encoder = _patch_encoder(model)
+    kernel = keras.ops.convert_to_numpy(encoder.kernel).astype(np.float64)
+    ph, pw, channels, dim = kernel.shape
+    filters = kernel.reshape(-1, dim).T  # [D, P*P*C]
+    max_components = min(filters.shape)
+    if not isinstance(num_components, int) or not 1 <= num_components <= max_components:
+        raise ValueError(
+            f"`num_components` must be an integer in [1, {max_components}] for this model "
+            f"(hidden {dim}, patch values {ph * pw * channels}). Received: num_components={num_components!r}"
+        )
+    centred = filters - filters.mean(axis=0, keepdims=True)
+    _, _, components = np.linalg.svd(centred, full_matrices=False)
+    return components[:num_components].reshape(num_components, ph, pw, channels)
+
+
+# === Plots ===
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path):
+    import tensorflow as tf
+
+    with tf.io.gfile.GFile(str(path), "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
+    _pyplot().close(fig)
+    return str(path)
+
+
+def _display_image(image):
+    image = np.asarray(image, np.float32)
+    if image.max() > 1.0:
+        image = image / 255.0
+    image = np.clip(image, 0.0, 1.0)
+    return image[..., 0] if image.shape[-1] == 1 else image
+
+
+def plot_attention_rollout(image, attention_map, path):
+    """The image, its rollout map, and the map overlaid on the image."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(9, 3.2))
+    axes[0].imshow(_display_image(image), cmap="gray")
+    axes[0].set_title("image")
+    axes[1].imshow(attention_map, cmap="inferno", vmin=0, vmax=1)
+    axes[1].set_title("attention rollout")
+    axes[2].imshow(_display_image(image), cmap="gray")
+    axes[2].imshow(attention_map, cmap="jet", alpha=0.5, vmin=0, vmax=1)
+    axes[2].set_title("overlay")
+    for ax in axes:
+        ax.axis("off")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_head_attention(image, attentions, grid_size, has_class_token, path):
+    """Per-head attention of the last layer, from the class token (or averaged over queries).
+
+    `attentions` is one image's last-layer attention, [heads, tokens, tokens].
+    """
+    plt = _pyplot()
+    heads = attentions.shape[0]
+    cols = min(heads, 6)
+    rows = 1 + math.ceil(heads / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2 * cols, 2 * rows), squeeze=False)
+    for ax in axes.ravel():
+        ax.axis("off")
+    axes[0, 0].imshow(_display_image(image), cmap="gray")
+    axes[0, 0].set_title("image")
+    for h in range(heads):
+        maps = attentions[h, 0, 1:] if has_class_token else attentions[h].mean(axis=0)
+        ax = axes[1 + h // cols, h % cols]
+        ax.imshow(maps.reshape(grid_size), cmap="inferno")
+        ax.set_title(f"head {h}")
+    fig.suptitle("last layer attention" + (" of the class token" if has_class_token else ""))
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_mean_distance(distances, path, image_size=None):
+    """Mean attention distance of every head against network depth (Figure 7, right)."""
+    plt = _pyplot()
+    layers, heads = distances.shape
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for h in range(heads):
+        ax.scatter(np.arange(layers), distances[:, h], s=12, label=f"head {h}" if heads <= 16 else None)
+    ax.set_xlabel("network depth (layer)")
+    ax.set_ylabel("mean attention distance (pixels)")
+    if image_size:
+        ax.set_ylim(0, math.hypot(*image_size))
+    if heads <= 16:
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_position_similarity(similarity, path):
+    """For each patch position, its embedding's cosine similarity with all others (Figure 7, centre)."""
+    plt = _pyplot()
+    gh, gw = similarity.shape[:2]
+    fig, axes = plt.subplots(gh, gw, figsize=(max(gw, 2) * 0.8, max(gh, 2) * 0.8), squeeze=False)
+    for i in range(gh):
+        for j in range(gw):
+            axes[i, j].imshow(similarity[i, j], cmap="viridis", vmin=-1, vmax=1)
+            axes[i, j].axis("off")
+    fig.suptitle("position embedding similarity")
+    return _save(fig, path)
+
+
+def plot_filters(filters, path):
+    """Principal components of the patch-embedding filters as RGB patches (Figure 7, left)."""
+    plt = _pyplot()
+    count = len(filters)
+    cols = min(count, 7)
+    rows = math.ceil(count / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(cols, rows), squeeze=False)
+    for ax in axes.ravel():
+        ax.axis("off")
+    for k, component in enumerate(filters):
+        low, high = component.min(), component.max()
+        shown = (component - low) / max(high - low, 1e-12)
+        axes[k // cols, k % cols].imshow(shown[..., 0] if shown.shape[-1] == 1 else shown, cmap="gray")
+    fig.suptitle("patch embedding filters (principal components)")
+    return _save(fig, path)
+
+
+def write_figures(model, image, out_dir, *, prefix=""):
+    """Writes every figure for one image into `out_dir`; returns the paths."""
+    import tensorflow as tf
+
+    tf.io.gfile.makedirs(str(out_dir))
+    image = _check_images(model, image)[:1]
+    grid_size, patch_size, has_class_token = _grid(model)
+    attentions = attention_weights(model, image)
+    join = lambda name: f"{str(out_dir).rstrip('/')}/{prefix}{name}"  # noqa: E731
+    height, width = image.shape[1:3]
+    paths = [
+        plot_attention_rollout(image[0], attention_rollout(model, image)[0], join("attention_rollout.png")),
+        plot_head_attention(image[0], attentions[-1, 0], grid_size, has_class_token, join("head_attention.png")),
+        plot_mean_distance(
+            mean_distance(attentions, grid_size, patch_size, has_class_token),
+            join("mean_attention_distance.png"),
+            image_size=(height, width),
+        ),
+        plot_position_similarity(position_embedding_similarity(model), join("position_similarity.png")),
+    ]
+    encoder = _patch_encoder(model)
+    dim = encoder.hidden_dim
+    patch_values = int(np.prod(encoder.kernel.shape[:3]))
+    filters = patch_embedding_filters(model, min(28, dim, patch_values))
+    paths.append(plot_filters(filters, join("embedding_filters.png")))
+    return paths

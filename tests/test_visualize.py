@@ -1,0 +1,224 @@
+import math
+import struct
+
+import numpy as np
+import pytest
+from sklearn.decomposition import PCA
+
+import keras_vit
+from keras_vit import visualize
+from tests import numpy_vit
+from tests.conftest import random_images, randomize_weights
+
+
+def small_vit(**kwargs):
+    args = dict(
+        image_size=(8, 12), num_classes=5, hidden_dim=16, num_layers=3, num_heads=4, mlp_dim=32,
+        patch_size=4, head_kernel_initializer="glorot_uniform",
+    )
+    args.update(kwargs)
+    return randomize_weights(keras_vit.build_vit("testing", **args))
+
+
+def png_size(path):
+    with open(path, "rb") as f:
+        header = f.read(24)
+    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return struct.unpack(">II", header[16:24])
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_attention_weights_match_numpy_reference(classifier):
+    model = small_vit(classifier=classifier)
+    images = random_images((5, 8, 12, 3))
+    got = visualize.attention_weights(model, images, batch_size=2)
+    tokens = 6 + (classifier == "token")
+    assert got.shape == (3, 5, 4, tokens, tokens)
+    params, num_layers = numpy_vit.params_from_model(model)
+    expected = []
+    numpy_vit.vit_forward(params, num_layers, images, classifier=classifier, attention=expected)
+    np.testing.assert_allclose(got, np.stack(expected), atol=1e-5)
+    np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
+    assert got.std() > 0.01  # Not uniform: the test would pass for any model otherwise.
+
+
+def test_attention_weights_of_a_reloaded_model(tmp_path):
+    model = small_vit()
+    images = random_images((2, 8, 12, 3))
+    model.save(tmp_path / "m.keras")
+    import keras
+
+    restored = keras.saving.load_model(tmp_path / "m.keras")
+    np.testing.assert_array_equal(
+        visualize.attention_weights(restored, images), visualize.attention_weights(model, images)
+    )
+
+
+def test_bad_images_are_refused():
+    model = small_vit()
+    with pytest.raises(ValueError, match=r"\(batch, 8, 12, 3\).*\(2, 12, 8, 3\)"):
+        visualize.attention_weights(model, np.zeros((2, 12, 8, 3)))
+    single = visualize.attention_weights(model, np.zeros((8, 12, 3)))
+    assert single.shape[1] == 1
+
+
+def uniform_attention(layers, heads, tokens):
+    return np.full((layers, 1, heads, tokens, tokens), 1.0 / tokens)
+
+
+@pytest.mark.parametrize(
+    "grid, patch, expected",
+    [
+        # 2x2 grid: from each patch, distances 0, P, P, P*sqrt(2).
+        ((2, 2), (4, 4), 4 * (2 + math.sqrt(2)) / 4),
+        # 1x3 grid: end patches average P, the middle one 2P/3.
+        ((1, 3), (5, 5), 5 * 8 / 9),
+        # Rectangular patches, 2x1 grid: the two centres are 6 pixels apart.
+        ((2, 1), (6, 2), 6 / 2),
+    ],
+)
+@pytest.mark.parametrize("class_token", [True, False])
+def test_uniform_attention_gives_the_grid_mean_distance(grid, patch, expected, class_token):
+    tokens = grid[0] * grid[1] + class_token
+    distances = visualize.mean_distance(uniform_attention(2, 3, tokens), grid, patch, class_token)
+    assert distances.shape == (2, 3)
+    np.testing.assert_allclose(distances, expected, rtol=1e-12)
+
+
+def test_attention_to_itself_gives_distance_zero():
+    tokens = 1 + 12
+    identity = np.broadcast_to(np.eye(tokens), (2, 1, 4, tokens, tokens))
+    np.testing.assert_array_equal(visualize.mean_distance(identity, (3, 4), (4, 4), True), 0.0)
+
+
+def test_attention_to_the_neighbour_gives_its_distance():
+    # 1x4 grid of 8-pixel patches, each query attends to the next patch (the last to the one before).
+    attention = np.zeros((1, 1, 1, 4, 4))
+    for q, k in enumerate([1, 2, 3, 2]):
+        attention[0, 0, 0, q, k] = 1.0
+    np.testing.assert_allclose(visualize.mean_distance(attention, (1, 4), (8, 8), False), 8.0)
+
+
+def test_mean_attention_distance_of_a_model():
+    model = small_vit()
+    distances = visualize.mean_attention_distance(model, random_images((3, 8, 12, 3)))
+    assert distances.shape == (3, 4)
+    farthest = math.hypot(4, 8)  # Two opposite corner patches of the 2x3 grid of 4x4 patches.
+    assert np.all(distances > 0) and np.all(distances < farthest)
+
+
+def test_rollout_of_identity_attention_is_the_identity():
+    tokens = 5
+    identity = np.broadcast_to(np.eye(tokens), (3, 2, 4, tokens, tokens))
+    for fusion in visualize.HEAD_FUSIONS:
+        np.testing.assert_allclose(visualize.rollout(identity, fusion), np.broadcast_to(np.eye(tokens), (2, 5, 5)))
+
+
+def test_rollout_multiplies_layers_with_the_residual():
+    rng = np.random.default_rng(0)
+    a = rng.random((2, 1, 2, 4, 4))
+    a /= a.sum(-1, keepdims=True)
+    fused = [0.5 * (a[l, 0].mean(0) + np.eye(4)) for l in range(2)]  # rows of A + I sum to 2
+    np.testing.assert_allclose(visualize.rollout(a)[0], fused[1] @ fused[0], atol=1e-12)
+    joint = visualize.rollout(a, "max", discard_ratio=0.5)
+    np.testing.assert_allclose(joint.sum(-1), 1.0)
+
+
+def test_rollout_discards_the_weakest_entries_but_not_the_class_token_column():
+    attention = np.zeros((1, 1, 1, 3, 3))
+    attention[0, 0, 0] = [[0.04, 0.9, 0.06], [0.05, 0.02, 0.93], [0.9, 0.03, 0.07]]
+    joint = visualize.rollout(attention, discard_ratio=0.6)
+    # The weakest 5 of 9 entries (int(9 * 0.6) = 5) are 0.02 ... 0.06; those in column 0 stay.
+    kept = np.array([[0.04, 0.9, 0.0], [0.05, 0.0, 0.93], [0.9, 0.0, 0.07]]) + np.eye(3)
+    np.testing.assert_allclose(joint[0], kept / kept.sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+@pytest.mark.parametrize("fusion", ["mean", "max", "min"])
+def test_attention_rollout_maps(classifier, fusion):
+    model = small_vit(classifier=classifier)
+    maps = visualize.attention_rollout(model, random_images((2, 8, 12, 3)), head_fusion=fusion, discard_ratio=0.2)
+    assert maps.shape == (2, 8, 12)
+    assert np.isfinite(maps).all() and maps.min() >= 0.0 and maps.max() <= 1.0
+    assert np.isclose(maps.max(), 1.0, atol=1e-3)
+
+
+def test_rollout_argument_errors():
+    with pytest.raises(ValueError, match="head_fusion='sum'"):
+        visualize.rollout(uniform_attention(1, 1, 3), head_fusion="sum")
+    with pytest.raises(ValueError, match="discard_ratio=1.0"):
+        visualize.rollout(uniform_attention(1, 1, 3), discard_ratio=1.0)
+    with pytest.raises(ValueError, match=r"shape \(3, 3\)"):
+        visualize.rollout(np.eye(3))
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_position_embedding_similarity(classifier):
+    model = small_vit(classifier=classifier, image_size=(12, 16))
+    similarity = visualize.position_embedding_similarity(model)
+    assert similarity.shape == (3, 4, 3, 4)
+    flat = similarity.reshape(12, 12)
+    np.testing.assert_allclose(np.diag(flat), 1.0, atol=1e-12)
+    np.testing.assert_allclose(flat, flat.T, atol=1e-12)
+    assert flat.min() >= -1.0 - 1e-12 and flat.max() <= 1.0 + 1e-12
+
+
+def test_neighbour_similarity_sees_a_grid_structure():
+    model = small_vit(image_size=(16, 16), classifier="gap")
+    encoder = model.get_layer("patch_encoder")
+    # Embeddings that vary smoothly with the position: neighbours are similar, far patches not.
+    rows, cols = np.meshgrid(np.arange(4), np.arange(4), indexing="ij")
+    freqs = np.linspace(0.3, 1.2, 4)
+    smooth = np.concatenate(
+        [np.sin(f * rows.ravel()[:, None] + [0, 1]) for f in freqs]
+        + [np.cos(f * cols.ravel()[:, None] + [0, 1]) for f in freqs],
+        axis=1,
+    )
+    encoder.position_embedding.assign(smooth[None].astype("float32"))
+    scores = visualize.neighbour_similarity(visualize.position_embedding_similarity(model))
+    assert scores["position_similarity_neighbours"] > scores["position_similarity_distant"] + 0.3
+    # Random embeddings have no such structure.
+    encoder.position_embedding.assign(np.random.default_rng(0).normal(size=(1, 16, 16)).astype("float32"))
+    scores = visualize.neighbour_similarity(visualize.position_embedding_similarity(model))
+    assert abs(scores["position_similarity_neighbours"] - scores["position_similarity_distant"]) < 0.2
+
+
+def test_patch_embedding_filters_are_the_principal_components():
+    model = small_vit(hidden_dim=64, num_heads=4, patch_size=2, image_size=(8, 12))
+    filters = visualize.patch_embedding_filters(model, num_components=6)
+    assert filters.shape == (6, 2, 2, 3)
+    flat = filters.reshape(6, -1)
+    np.testing.assert_allclose(flat @ flat.T, np.eye(6), atol=1e-10)
+    # Independent check: scikit-learn's PCA of the 64 filters, up to the sign of each component.
+    kernel = model.get_layer("patch_encoder").kernel.numpy().reshape(-1, 64).T.astype(np.float64)
+    reference = PCA(n_components=6).fit(kernel).components_
+    np.testing.assert_allclose(np.abs((flat * reference).sum(-1)), 1.0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"\[1, 12\].*num_components=13"):
+        visualize.patch_embedding_filters(model, num_components=13)
+
+
+def test_figures_are_written_as_png_files(tmp_path):
+    model = small_vit()
+    image = random_images((8, 12, 3))
+    paths = visualize.write_figures(model, image, tmp_path, prefix="x_")
+    names = sorted(p.split("/")[-1] for p in paths)
+    assert names == sorted(
+        "x_" + n
+        for n in [
+            "attention_rollout.png",
+            "head_attention.png",
+            "mean_attention_distance.png",
+            "position_similarity.png",
+            "embedding_filters.png",
+        ]
+    )
+    sizes = {name: png_size(tmp_path / name) for name in names}
+    assert sizes["x_attention_rollout.png"] == (900, 320)  # figsize (9, 3.2) at 100 dpi
+    assert sizes["x_mean_attention_distance.png"] == (500, 400)
+    assert sizes["x_head_attention.png"] == (800, 400)  # 4 heads: 4 columns, 2 rows of 2 inches
+    for name in names:
+        import matplotlib.image
+
+        pixels = matplotlib.image.imread(tmp_path / name)
+        assert pixels.shape[:2] == sizes[name][::-1]
+        assert pixels.std() > 0.01  # Something was drawn.
