@@ -5,8 +5,10 @@ r"""Trains a ViT with `model.fit` and writes the model and its metrics.
         --config.epochs=10 --workdir=/tmp/vit_digits
 
 Writes into --workdir: `model.keras` (the trained model), `metrics.json`,
-`history.json` (per-epoch metrics) and `backup/` (the state of an interrupted
-run; `fit` resumes from it when the same command is run again).
+`history.json` (per-epoch metrics), `figures/` (with --config.visualize: the
+attention and embedding figures of `keras_vit.visualize` for a few test
+images) and, while it runs, `backup/` (the state of an interrupted run; `fit`
+resumes from it when the same command is run again).
 """
 
 import json
@@ -20,6 +22,7 @@ from ml_collections import config_flags
 
 import keras_vit
 from keras_vit import data as vit_data
+from keras_vit import visualize
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "experiments/configs/digits.py", "Python config file; fields can be overridden."
@@ -147,6 +150,12 @@ def train_and_evaluate(config, workdir):
         "test_examples": len(dataset.test),
         "parameters": int(model.count_params()),
     }
+    # Did the position embeddings learn the grid structure of the paper's Figure 7?
+    metrics.update(visualize.neighbour_similarity(visualize.position_embedding_similarity(model)))
+    if config.visualize:
+        figures = os.path.join(workdir, "figures")
+        for i in range(config.visualize_images):
+            visualize.write_figures(model, dataset.test.images[i], figures, prefix=f"test{i}_")
     with tf.io.gfile.GFile(os.path.join(workdir, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
     with tf.io.gfile.GFile(os.path.join(workdir, "history.json"), "w") as f:

@@ -2,13 +2,15 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
-import pathlib
 
 import keras
 import numpy as np
+import tensorflow as tf
 
+import keras_vit
 from keras_vit import data as vit_data
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -48,6 +50,11 @@ def test_main_job_with_defaults_reaches_97_percent(tmp_path):
     assert len(history["loss"]) == 60
     assert not (workdir / "backup").exists()  # Removed after a completed run.
 
+    # The grid structure of the paper's Figure 7 appears in the position embeddings.
+    assert metrics["position_similarity_neighbours"] > metrics["position_similarity_distant"] + 0.2
+    figures = sorted(p.name for p in (workdir / "figures").iterdir())
+    assert len(figures) == 10 and "test0_attention_rollout.png" in figures
+
 
 def test_config_overrides_from_the_command_line(tmp_path):
     stdout = run_module(
@@ -64,6 +71,39 @@ def test_config_overrides_from_the_command_line(tmp_path):
     assert model.get_layer("pooling").method == "gap"
     assert [l.name for l in model.layers].count("encoderblock_0") == 1
     assert "encoderblock_1" not in [l.name for l in model.layers]
+    assert len(list((tmp_path / "figures").iterdir())) == 10
+
+
+def test_visualize_command(tmp_path):
+    model = keras_vit.build_vit("testing", image_size=32, num_classes=3, patch_size=8)
+    model.save(tmp_path / "m.keras")
+    image = np.random.default_rng(0).integers(0, 256, (50, 70, 3)).astype(np.uint8)
+    (tmp_path / "image.png").write_bytes(tf.io.encode_png(image).numpy())
+    out = tmp_path / "figures"
+    stdout = run_module(
+        "experiments.visualize", f"--model={tmp_path / 'm.keras'}", f"--image={tmp_path / 'image.png'}", f"--out={out}"
+    )
+    written = sorted(p.name for p in out.iterdir())
+    assert written == [
+        "attention_rollout.png",
+        "embedding_filters.png",
+        "head_attention.png",
+        "mean_attention_distance.png",
+        "position_similarity.png",
+    ]
+    assert all(str(out / name) in stdout for name in written)
+
+
+def test_visualize_command_refuses_a_file_that_is_not_an_image(tmp_path):
+    keras_vit.build_vit("testing", image_size=32, num_classes=3).save(tmp_path / "m.keras")
+    (tmp_path / "notes.png").write_text("not an image")
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.visualize", f"--model={tmp_path / 'm.keras'}",
+         f"--image={tmp_path / 'notes.png'}", f"--out={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0
+    assert "is not an image TensorFlow can decode" in result.stderr
 
 
 def test_benchmark_runs():

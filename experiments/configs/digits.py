@@ -42,4 +42,8 @@ def get_config():
 
     config.precision = "float32"  # or "mixed_bfloat16", "mixed_float16".
     config.jit_compile = True
+
+    # Figures of keras_vit.visualize for the first few test images, in workdir/figures.
+    config.visualize = True
+    config.visualize_images = 2
     return config
