@@ -5,6 +5,7 @@ Layer names are stable; the checkpoint converters map onto them:
 | layer | weights | original checkpoint |
 |---|---|---|
 | `rescaling` (if `include_rescaling`) | none | pixels / 127.5 - 1 |
+| `resnet` (hybrids only) | see `keras_vit.resnet` | `conv_root`, `gn_root`, `block{s}/unit{u}/*` |
 | `patch_encoder` | `kernel`, `bias`, `class_token`, `position_embedding` | `embedding/*`, `cls`, `Transformer/posembed_input/pos_embedding` |
 | `embedding_dropout` | none | dropout after the position embeddings |
 | `encoderblock_{i}` (i = 0 .. L-1) | see `TransformerBlock` | `Transformer/encoderblock_{i}/*` |
@@ -22,6 +23,7 @@ and `mlp_dense_2` (MlpBlock_3/Dense_0, Dense_1).
 import keras
 
 from keras_vit import layers as vit_layers
+from keras_vit.resnet import ResNetStem
 from keras_vit.variants import parse_variant, to_pair
 
 CLASSIFIERS = ("token", "gap")
@@ -96,9 +98,11 @@ def build_vit(
     """
     config = parse_variant(variant, **overrides)
     height, width = to_pair(image_size, "image_size")
-    if height % config.patch_size[0] or width % config.patch_size[1]:
+    stride = 1 if config.resnet_layers is None else ResNetStem.stride(config.resnet_layers)
+    if height % (stride * config.patch_size[0]) or width % (stride * config.patch_size[1]):
+        hybrid = f" times the ResNet stride {stride}" if config.resnet_layers is not None else ""
         raise ValueError(
-            "`image_size` must be divisible by the patch size. Received: image_size="
+            f"`image_size` must be divisible by the patch size{hybrid}. Received: image_size="
             f"{image_size!r}, patch_size={config.patch_size} (variant {variant!r})"
         )
     if classifier not in CLASSIFIERS:
@@ -123,6 +127,8 @@ def build_vit(
     x = images
     if include_rescaling:
         x = keras.layers.Rescaling(1.0 / 127.5, offset=-1.0, name="rescaling")(x)
+    if config.resnet_layers is not None:
+        x = ResNetStem(config.resnet_layers, name="resnet")(x)
     x = vit_layers.PatchEncoder(
         config.hidden_dim,
         config.patch_size,

@@ -6,8 +6,16 @@ paper (Table 1: Base, Large, Huge) and from DeiT / AugReg (Tiny, Small).
 ``"testing"`` is the tiny configuration of the original implementation's unit
 tests (hidden 10, one layer, two heads, MLP 10, patch 16).
 
+Hybrids (paper section 3.1) put a ResNet in front of the transformer and cut
+its feature map into patches: ``"R50+B/16"`` is a ResNet-50-like stem with
+stages of (3, 4, 9) units (stride 16) and 1x1 patches.  Their names give the
+effective patch size; the table below gives the stem and the real patch size,
+as in the original implementation's configs.
+
 >>> parse_variant("S/32")
-ViTConfig(hidden_dim=384, num_layers=12, num_heads=6, mlp_dim=1536, patch_size=(32, 32))
+ViTConfig(hidden_dim=384, num_layers=12, num_heads=6, mlp_dim=1536, patch_size=(32, 32), resnet_layers=None)
+>>> parse_variant("R50+B/16").resnet_layers
+(3, 4, 9)
 >>> parse_variant("B/16", num_layers=6).num_layers
 6
 """
@@ -28,6 +36,15 @@ MODEL_SIZES = {
 # The "testing" variant: size and patch together, as in vit_jax's test config.
 TESTING = (10, 1, 2, 10, 16)
 
+# Hybrids: name -> (size, ResNet stage sizes, patch size on the feature map).
+HYBRIDS = {
+    "R+Ti/16": ("Ti", (), 8),
+    "R26+S/32": ("S", (2, 2, 2, 2), 1),
+    "R26+B/32": ("B", (2, 2, 2, 2), 1),
+    "R50+B/16": ("B", (3, 4, 9), 1),
+    "R50+L/32": ("L", (3, 4, 6, 3), 1),
+}
+
 # The canonical variants: every one of them has its exact parameter count
 # pinned by the tests (tests/test_variants.py).  Other patch sizes of a known
 # size ("B/14") are accepted by `parse_variant` too.
@@ -42,6 +59,7 @@ VARIANTS = (
     "L/16",
     "L/32",
     "H/14",
+    *HYBRIDS,
 )
 
 OVERRIDABLE = ("hidden_dim", "num_layers", "num_heads", "mlp_dim", "patch_size")
@@ -58,6 +76,7 @@ class ViTConfig:
     num_heads: int
     mlp_dim: int
     patch_size: tuple
+    resnet_layers: tuple = None  # ResNet stage sizes of a hybrid; None for a plain ViT.
 
     def __post_init__(self):
         for field in ("hidden_dim", "num_layers", "num_heads", "mlp_dim"):
@@ -108,14 +127,18 @@ def parse_variant(variant, **overrides):
         raise ValueError(
             f"`variant` must be a string such as 'B/16'. Received: variant={variant!r}"
         )
+    resnet_layers = None
     if variant == "testing":
         hidden_dim, num_layers, num_heads, mlp_dim, patch = TESTING
+    elif variant in HYBRIDS:
+        size, resnet_layers, patch = HYBRIDS[variant]
+        hidden_dim, num_layers, num_heads, mlp_dim = MODEL_SIZES[size]
     else:
         match = _VARIANT_RE.match(variant)
         if not match or match["size"] not in MODEL_SIZES:
             raise ValueError(
                 f"Unknown ViT variant {variant!r}. Expected '<size>/<patch size>' with size "
-                f"in {list(MODEL_SIZES)} (e.g. 'B/16'), or 'testing'. "
+                f"in {list(MODEL_SIZES)} (e.g. 'B/16'), a hybrid in {list(HYBRIDS)}, or 'testing'. "
                 f"Canonical variants: {list(VARIANTS)}"
             )
         hidden_dim, num_layers, num_heads, mlp_dim = MODEL_SIZES[match["size"]]
@@ -126,6 +149,7 @@ def parse_variant(variant, **overrides):
         num_heads=num_heads,
         mlp_dim=mlp_dim,
         patch_size=patch,
+        resnet_layers=resnet_layers,
     )
     values.update({k: v for k, v in overrides.items() if v is not None})
     return ViTConfig(**values)

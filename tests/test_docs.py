@@ -9,12 +9,13 @@ import pytest
 
 import keras_vit.layers
 import keras_vit.model
+import keras_vit.resnet
 import keras_vit.variants
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("module", [keras_vit.variants, keras_vit.layers, keras_vit.model])
+@pytest.mark.parametrize("module", [keras_vit.variants, keras_vit.layers, keras_vit.model, keras_vit.resnet])
 def test_docstring_examples(module):
     result = doctest.testmod(module, extraglobs={"keras": keras}, verbose=False)
     assert result.attempted > 0, f"{module.__name__} has no examples"

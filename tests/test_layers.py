@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from keras_vit import layers as vit_layers
+from keras_vit import resnet
 from tests.conftest import random_images
 
 BASE_LAYER_KEYS = {"name", "trainable", "dtype"}
@@ -35,6 +36,9 @@ LAYER_CASES = [
         12,
     ),
     (vit_layers.TokenPooling, dict(method="gap"), (2, 5, 8), 0),
+    (resnet.StandardizedConv2D, dict(filters=4, kernel_size=3, padding="same"), (1, 6, 6, 3), 2),
+    (resnet.BottleneckUnit, dict(features=32, strides=2), (1, 8, 8, 64), 12),
+    (resnet.ResNetStem, dict(num_layers=(1, 1), width_factor=1), (1, 32, 32, 3), 3 + 12 + 12),
 ]
 
 
@@ -51,7 +55,7 @@ def test_layer_config_round_trip(cls, kwargs, shape, num_trainable):
     params = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
     assert set(config) - BASE_LAYER_KEYS == params
     for key, value in kwargs.items():
-        if key != "patch_size":
+        if key not in ("patch_size", "kernel_size"):  # normalised to pairs
             assert config[key] == value
 
     # Through the serialization registry, as a .keras file does.

@@ -226,3 +226,15 @@ def test_stochastic_depth_rate_grows_linearly_with_depth():
     model = keras_vit.build_vit("testing", image_size=32, num_layers=5, stochastic_depth_rate=0.2)
     rates = [model.get_layer(f"encoderblock_{i}").stochastic_depth_rate for i in range(5)]
     np.testing.assert_allclose(rates, [0.0, 0.05, 0.1, 0.15, 0.2])
+
+
+def test_hybrid_keras_save_and_reload_is_exact(tmp_path):
+    model = randomize_weights(
+        keras_vit.build_vit("R+Ti/16", image_size=64, num_classes=3, num_layers=1), scale=0.05
+    )
+    images = random_images((2, 64, 64, 3))
+    expected = model.predict(images, verbose=0)
+    assert np.isfinite(expected).all() and np.ptp(expected) > 0
+    model.save(tmp_path / "hybrid.keras")
+    restored = keras.saving.load_model(tmp_path / "hybrid.keras")
+    np.testing.assert_array_equal(restored.predict(images, verbose=0), expected)

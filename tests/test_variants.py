@@ -17,6 +17,11 @@ PARAMS_TOKEN = {
     "L/16": 304_326_632,
     "L/32": 306_535_400,
     "H/14": 632_045_800,
+    "R+Ti/16": 6_337_704,
+    "R26+S/32": 36_431_912,
+    "R26+B/32": 101_383_976,
+    "R50+B/16": 98_659_112,
+    "R50+L/32": 328_994_856,
 }
 PARAMS_GAP = {
     "S/16": 22_049_896,
@@ -29,7 +34,7 @@ PARAMS_GAP = {
 def test_every_registered_variant_has_a_pinned_count():
     missing = sorted(set(keras_vit.VARIANTS) - set(PARAMS_TOKEN))
     assert not missing, f"variants registered without an exact parameter count: {missing}"
-    sizes = {v.split("/")[0] for v in keras_vit.VARIANTS if "/" in v}
+    sizes = {v.split("/")[0] for v in keras_vit.VARIANTS if "/" in v and "+" not in v}
     assert sizes == set(MODEL_SIZES), "every model size needs at least one pinned variant"
 
 
@@ -55,6 +60,17 @@ def test_representation_size_and_backbone_counts():
     backbone = keras_vit.build_vit("B/16", num_classes=None)
     assert backbone.count_params() == base - (dim * 1000 + 1000)
     assert backbone.output_shape == (None, dim)
+    keras.backend.clear_session()
+
+
+def test_hybrid_structure():
+    config = keras_vit.parse_variant("R50+B/16")
+    assert config.resnet_layers == (3, 4, 9) and config.patch_size == (1, 1)
+    model = keras_vit.build_vit("R50+B/16", num_classes=None)
+    assert model.get_layer("resnet").compute_output_shape((None, 224, 224, 3)) == (None, 14, 14, 1024)
+    assert model.get_layer("patch_encoder").position_embedding.shape == (1, 197, 768)
+    with pytest.raises(ValueError, match=r"times the ResNet stride 16.*image_size=200"):
+        keras_vit.build_vit("R50+B/16", image_size=200)
     keras.backend.clear_session()
 
 
