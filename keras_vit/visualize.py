@@ -20,6 +20,7 @@ import keras
 import numpy as np
 
 from keras_vit.layers import PatchEncoder, TransformerBlock
+from keras_vit.resnet import ResNetStem
 
 HEAD_FUSIONS = ("mean", "max", "min")
 
@@ -84,9 +85,18 @@ def attention_weights(model, images, batch_size=32):
     return np.concatenate(chunks, axis=1)
 
 
+def _resnet_stride(model):
+    """The hybrids' ResNet stride (1 for a plain ViT)."""
+    stems = [layer for layer in model.layers if isinstance(layer, ResNetStem)]
+    return ResNetStem.stride(stems[0].num_layers) if stems else 1
+
+
 def _grid(model):
+    """(grid size, patch size in input pixels, has class token)."""
     encoder = _patch_encoder(model)
-    return encoder.grid_size, encoder.patch_size, encoder.use_class_token
+    stride = _resnet_stride(model)
+    patch = (encoder.patch_size[0] * stride, encoder.patch_size[1] * stride)
+    return encoder.grid_size, patch, encoder.use_class_token
 
 
 # === Attention rollout ===
@@ -264,6 +274,11 @@ def patch_embedding_filters(model, num_components=28):
         components are orthonormal.
     """
     encoder = _patch_encoder(model)
+    if _resnet_stride(model) != 1:
+        raise ValueError(
+            f"Model {model.name!r} is a hybrid: its patch embedding filters act on ResNet features, "
+            "not on pixels, so they cannot be shown as image patches."
+        )
     kernel = keras.ops.convert_to_numpy(encoder.kernel).astype(np.float64)
     ph, pw, channels, dim = kernel.shape
     filters = kernel.reshape(-1, dim).T  # [D, P*P*C]
@@ -415,9 +430,9 @@ def write_figures(model, image, out_dir, *, prefix=""):
         ),
         plot_position_similarity(position_embedding_similarity(model), join("position_similarity.png")),
     ]
-    encoder = _patch_encoder(model)
-    dim = encoder.hidden_dim
-    patch_values = int(np.prod(encoder.kernel.shape[:3]))
-    filters = patch_embedding_filters(model, min(28, dim, patch_values))
-    paths.append(plot_filters(filters, join("embedding_filters.png")))
+    if _resnet_stride(model) == 1:  # Hybrids embed ResNet features, not pixels.
+        encoder = _patch_encoder(model)
+        patch_values = int(np.prod(encoder.kernel.shape[:3]))
+        filters = patch_embedding_filters(model, min(28, encoder.hidden_dim, patch_values))
+        paths.append(plot_filters(filters, join("embedding_filters.png")))
     return paths

@@ -222,3 +222,17 @@ def test_figures_are_written_as_png_files(tmp_path):
         pixels = matplotlib.image.imread(tmp_path / name)
         assert pixels.shape[:2] == sizes[name][::-1]
         assert pixels.std() > 0.01  # Something was drawn.
+
+
+def test_hybrid_models_measure_distance_in_input_pixels(tmp_path):
+    model = randomize_weights(keras_vit.build_vit("R+Ti/16", image_size=64, num_classes=3, num_layers=2), scale=0.05)
+    images = random_images((2, 64, 64, 3))
+    attention = visualize.attention_weights(model, images)
+    assert attention.shape == (2, 2, 3, 5, 5)  # 64 px / (ResNet stride 4 * patch 8) = 2x2 patches
+    np.testing.assert_allclose(
+        visualize.mean_attention_distance(model, images),
+        visualize.mean_distance(attention, (2, 2), (32, 32), True),
+    )
+    with pytest.raises(ValueError, match="hybrid"):
+        visualize.patch_embedding_filters(model)
+    assert len(visualize.write_figures(model, images[0], tmp_path)) == 4
