@@ -113,6 +113,11 @@ def train_and_evaluate(config, workdir):
 
     # === Model ===
     model = build_model(config, dataset.num_classes)
+    if config.get("pretrained"):
+        # An original .npz checkpoint; a head of another size stays zero for this task.
+        keras_vit.load_pretrained(model, config.pretrained, interpolation=config.get("interpolation", "bicubic"))
+    if config.get("freeze_backbone"):
+        keras_vit.freeze_backbone(model)  # A linear probe: only the head trains.
     model.compile(
         optimizer=make_optimizer(config, steps_per_epoch),
         loss=keras.losses.CategoricalCrossentropy(

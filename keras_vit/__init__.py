@@ -1,5 +1,13 @@
 """keras_vit: the Vision Transformer for Keras 3 and TensorFlow."""
 
+from keras_vit.checkpoints import (
+    freeze_backbone,
+    load_pretrained,
+    replace_head,
+    resample_position_embeddings,
+    save_npz,
+    set_image_size,
+)
 from keras_vit.layers import (
     MultiHeadSelfAttention,
     PatchEncoder,
@@ -8,11 +16,16 @@ from keras_vit.layers import (
     TransformerBlock,
 )
 from keras_vit.model import build_vit
-from keras_vit.variants import MODEL_SIZES, VARIANTS, ViTConfig, parse_variant
+from keras_vit.resnet import BottleneckUnit, ResNetStem, StandardizedConv2D
+from keras_vit.variants import HYBRIDS, MODEL_SIZES, VARIANTS, ViTConfig, parse_variant
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BottleneckUnit",
+    "HYBRIDS",
+    "ResNetStem",
+    "StandardizedConv2D",
     "MODEL_SIZES",
     "MultiHeadSelfAttention",
     "PatchEncoder",
@@ -22,5 +35,11 @@ __all__ = [
     "VARIANTS",
     "ViTConfig",
     "build_vit",
+    "freeze_backbone",
+    "load_pretrained",
+    "replace_head",
+    "resample_position_embeddings",
+    "save_npz",
+    "set_image_size",
     "parse_variant",
 ]

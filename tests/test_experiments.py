@@ -74,6 +74,33 @@ def test_config_overrides_from_the_command_line(tmp_path):
     assert len(list((tmp_path / "figures").iterdir())) == 10
 
 
+def test_training_from_a_pretrained_checkpoint_with_a_frozen_backbone(tmp_path):
+    from experiments.configs import digits
+
+    config = digits.get_config()
+    model_config = dict(config.model)
+    source = keras_vit.build_vit(
+        model_config.pop("variant"), image_size=config.image_size, num_classes=7, **model_config
+    )
+    keras_vit.save_npz(source, str(tmp_path / "pretrained.npz"))
+    run_module(
+        "experiments.train",
+        f"--workdir={tmp_path / 'run'}",
+        f"--config.pretrained={tmp_path / 'pretrained.npz'}",
+        "--config.freeze_backbone=True",
+        "--config.epochs=1",
+        "--config.visualize=False",
+    )
+    trained = keras.saving.load_model(tmp_path / "run" / "model.keras")
+    # The backbone is the checkpoint's, untouched by training; the 10-class head was trained.
+    for layer in source.layers:
+        if layer.name != "head":
+            for a, b in zip(layer.get_weights(), trained.get_layer(layer.name).get_weights()):
+                np.testing.assert_array_equal(a, b)
+    assert trained.get_layer("head").kernel.shape == (64, 10)
+    assert np.abs(trained.get_layer("head").kernel.numpy()).max() > 0
+
+
 def test_visualize_command(tmp_path):
     model = keras_vit.build_vit("testing", image_size=32, num_classes=3, patch_size=8)
     model.save(tmp_path / "m.keras")

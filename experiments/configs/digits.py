@@ -31,6 +31,12 @@ def get_config():
     config.model.attention_dropout_rate = 0.0
     config.model.stochastic_depth_rate = 0.1
 
+    # Transfer learning: an original-format .npz (local or gs://) to start from,
+    # and whether to train the head alone.
+    config.pretrained = ""
+    config.interpolation = "bicubic"
+    config.freeze_backbone = False
+
     config.batch_size = 64
     config.epochs = 60
     config.optimizer = "adamw"

@@ -1,0 +1,565 @@
+"""The original ViT checkpoints (.npz): loading, saving, resolution change, transfer learning.
+
+An original checkpoint is a flat dict of arrays keyed like
+`Transformer/encoderblock_0/MlpBlock_3/Dense_0/kernel` (the naming of
+google-research/vision_transformer, "vit_jax").  Layouts met in the wild, all
+read here:
+
+- vit_jax names, possibly under a `params/` or `opt/target/` prefix;
+- big_vision names: `pos_embedding` at the top level without a class-token
+  row (big_vision prepends the class token after adding the position
+  embeddings), `MultiHeadDotProductAttention_0`, `LayerNorm_1`, `MlpBlock_0`;
+- the "scan" layout: every block stacked on a leading axis under
+  `Transformer/encoderblock/`;
+- hybrids: `conv_root`, `gn_root`, `block{s}/unit{u}/{conv,gn}{1,2,3,_proj}`.
+
+The conversion is pure functions on dicts of NumPy arrays
+(`canonicalize`, `convert_checkpoint`, `to_checkpoint`); `load_pretrained` and
+`save_npz` only add the file and the model around them.
+"""
+
+import difflib
+import io
+import logging
+import re
+import zipfile
+
+import keras
+import numpy as np
+
+INTERPOLATIONS = ("bicubic", "bilinear", "zoom")
+
+log = logging.getLogger("keras_vit")
+
+# === Key names ===
+
+_TOP_LEVEL = {
+    "embedding/kernel": "patch_encoder/kernel",
+    "embedding/bias": "patch_encoder/bias",
+    "cls": "patch_encoder/class_token",
+    "Transformer/posembed_input/pos_embedding": "patch_encoder/position_embedding",
+    "Transformer/encoder_norm/scale": "encoder_norm/gamma",
+    "Transformer/encoder_norm/bias": "encoder_norm/beta",
+    "pre_logits/kernel": "pre_logits/kernel",
+    "pre_logits/bias": "pre_logits/bias",
+    "head/kernel": "head/kernel",
+    "head/bias": "head/bias",
+}
+_BLOCK = {
+    "LayerNorm_0/scale": "attention_norm/gamma",
+    "LayerNorm_0/bias": "attention_norm/beta",
+    "LayerNorm_2/scale": "mlp_norm/gamma",
+    "LayerNorm_2/bias": "mlp_norm/beta",
+    "MlpBlock_3/Dense_0/kernel": "mlp_dense_1/kernel",
+    "MlpBlock_3/Dense_0/bias": "mlp_dense_1/bias",
+    "MlpBlock_3/Dense_1/kernel": "mlp_dense_2/kernel",
+    "MlpBlock_3/Dense_1/bias": "mlp_dense_2/bias",
+    "MultiHeadDotProductAttention_1/out/bias": "attention/output_bias",
+}
+_ATTENTION = "MultiHeadDotProductAttention_1"
+_QKV = ("query", "key", "value")
+# big_vision numbers the sublayers of a block differently.
+_BIG_VISION_BLOCK = {
+    "MultiHeadDotProductAttention_0/": "MultiHeadDotProductAttention_1/",
+    "LayerNorm_1/": "LayerNorm_2/",
+    "MlpBlock_0/": "MlpBlock_3/",
+}
+_RESNET_KEY = re.compile(r"^(conv_root|gn_root|block\d+/unit\d+/(conv|gn)(\d|_proj))/(kernel|scale|bias)$")
+_NORM_PARAM = {"scale": "gamma", "bias": "beta"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit the model."""
+
+
+# === Reading and writing files ===
+
+
+def read_npz(path):
+    """Reads an .npz checkpoint (local or gs:// path) as a dict of arrays, pickling disabled."""
+    import tensorflow as tf
+
+    if not tf.io.gfile.exists(path):
+        raise FileNotFoundError(f"No checkpoint at {path!r}.")
+    with tf.io.gfile.GFile(path, "rb") as f:
+        data = f.read()
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        raise CheckpointError(
+            f"{path!r} is not an .npz checkpoint (a zip archive of .npy arrays); read "
+            f"{len(data)} bytes starting {data[:8]!r}. A truncated download looks like this too."
+        )
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            return {key: npz[key] for key in npz.files}
+    except ValueError as error:
+        if "allow_pickle" in str(error):
+            raise CheckpointError(
+                f"{path!r} holds a pickled Python object; checkpoints are read with pickling "
+                "disabled, so it was refused (it was not executed)."
+            ) from None
+        raise CheckpointError(f"{path!r} is not a readable .npz checkpoint: {error}") from None
+    except (zipfile.BadZipFile, EOFError, OSError) as error:
+        raise CheckpointError(f"{path!r} is truncated or corrupt: {error}") from None
+
+
+def write_npz(params, path):
+    """Writes a dict of arrays as an .npz file (local or gs:// path)."""
+    import tensorflow as tf
+
+    buffer = io.BytesIO()
+    np.savez(buffer, **params)
+    with tf.io.gfile.GFile(path, "wb") as f:
+        f.write(buffer.getvalue())
+
+
+# === Layouts ===
+
+
+def canonicalize(params):
+    """Any supported layout -> vit_jax names, one entry per block, float arrays.
+
+    Strips `params/` and `opt/target/` prefixes, renames big_vision keys (and
+    gives its position embeddings the class-token row it lacks: zeros, since
+    big_vision adds no position to the class token), and unstacks the "scan"
+    layout.
+    """
+    params = dict(params)
+    for prefix in ("opt/target/", "params/"):
+        if params and all(key.startswith(prefix) for key in params):
+            params = {key[len(prefix) :]: value for key, value in params.items()}
+        elif any(key.startswith(prefix) for key in params):
+            params = {key[len(prefix) :]: v for key, v in params.items() if key.startswith(prefix)}
+    if any(key.startswith("MAPHead") for key in params):
+        raise CheckpointError(
+            "The checkpoint has a MAP head (big_vision pool_type='map'); build_vit supports the "
+            "'token' and 'gap' classifiers only."
+        )
+
+    # Scan layout: Transformer/encoderblock/<rest> with the blocks on axis 0.
+    stacked = {k: v for k, v in params.items() if k.startswith("Transformer/encoderblock/")}
+    if stacked:
+        depth = {v.shape[0] for v in stacked.values()}
+        if len(depth) != 1:
+            raise CheckpointError(f"Stacked encoder blocks disagree on their number: {sorted(depth)}.")
+        for key, value in stacked.items():
+            del params[key]
+            rest = key[len("Transformer/encoderblock/") :]
+            for i in range(value.shape[0]):
+                params[f"Transformer/encoderblock_{i}/{rest}"] = value[i]
+
+    # big_vision names.
+    if "pos_embedding" in params or any("MlpBlock_0/" in key for key in params):
+        renamed = {}
+        for key, value in params.items():
+            for theirs, ours in _BIG_VISION_BLOCK.items():
+                key = key.replace(theirs, ours)
+            renamed[key] = value
+        params = renamed
+        if "pos_embedding" in params:
+            posemb = params.pop("pos_embedding")
+            if "cls" in params:
+                posemb = np.concatenate([np.zeros_like(posemb[:, :1]), posemb], axis=1)
+            params["Transformer/posembed_input/pos_embedding"] = posemb
+    return params
+
+
+# === Position embeddings ===
+
+
+def _interpolation_matrix(old, new, interpolation):
+    """(new, old) matrix resampling a 1-D signal with half-pixel centres, edges clamped."""
+    matrix = np.zeros((new, old))
+    source = (np.arange(new) + 0.5) * old / new - 0.5
+    if interpolation == "bilinear":
+        source = np.clip(source, 0, old - 1)
+        low = np.floor(source).astype(int)
+        high = np.minimum(low + 1, old - 1)
+        frac = source - low
+        matrix[np.arange(new), low] += 1 - frac
+        matrix[np.arange(new), high] += frac
+        return matrix
+    # Bicubic convolution (Keys 1981) with a = -0.75, edge samples repeated: the
+    # kernel of PyTorch's and OpenCV's bicubic resize.
+    a = -0.75
+
+    def cubic(t):
+        t = np.abs(t)
+        return np.where(
+            t <= 1,
+            ((a + 2) * t - (a + 3)) * t * t + 1,
+            np.where(t < 2, ((a * t - 5 * a) * t + 8 * a) * t - 4 * a, 0.0),
+        )
+
+    base = np.floor(source).astype(int)
+    for offset in (-1, 0, 1, 2):
+        taps = base + offset
+        np.add.at(matrix, (np.arange(new), np.clip(taps, 0, old - 1)), cubic(source - taps))
+    return matrix
+
+
+def resample_position_embeddings(
+    posemb, new_grid, interpolation="bicubic", *, old_grid=None, num_prefix_tokens=None
+):
+    """Resamples position embeddings to another patch grid.
+
+    Args:
+        posemb: (1, tokens, D) or (tokens, D): the class-token row (if any)
+            followed by the patch rows in row-major order.
+        new_grid: (height, width) of the new patch grid.
+        interpolation: "bicubic" (Keys, a = -0.75, as PyTorch), "bilinear"
+            (half-pixel centres, no antialias: timm's .npz loader) or "zoom"
+            (`scipy.ndimage.zoom`, order 1: the original implementation).
+        old_grid: the checkpoint's grid; by default the square grid that fits.
+        num_prefix_tokens: rows kept apart (1 for a class token); by default 1
+            if tokens - 1 is a square number and tokens is not, else 0.
+
+    Returns:
+        An array of the same rank with the prefix rows unchanged.
+    """
+    if interpolation not in INTERPOLATIONS:
+        raise ValueError(
+            f"`interpolation` must be one of {INTERPOLATIONS}. Received: interpolation={interpolation!r}"
+        )
+    posemb = np.asarray(posemb)
+    squeeze = posemb.ndim == 2
+    if squeeze:
+        posemb = posemb[None]
+    if posemb.ndim != 3 or posemb.shape[0] != 1:
+        raise ValueError(
+            f"Expected position embeddings of shape (1, tokens, D) or (tokens, D). Received: shape {posemb.shape}"
+        )
+    tokens = posemb.shape[1]
+    if num_prefix_tokens is None:
+        is_square = lambda n: n >= 0 and int(round(n**0.5)) ** 2 == n  # noqa: E731
+        num_prefix_tokens = 1 if (is_square(tokens - 1) and not is_square(tokens)) else 0
+    patches = tokens - num_prefix_tokens
+    if old_grid is None:
+        side = int(round(patches**0.5))
+        if side * side != patches:
+            raise ValueError(
+                f"{patches} patch rows do not form a square grid; pass `old_grid`. Received: "
+                f"shape {posemb.shape}, num_prefix_tokens={num_prefix_tokens}"
+            )
+        old_grid = (side, side)
+    old_grid, new_grid = tuple(old_grid), tuple(new_grid)
+    if old_grid[0] * old_grid[1] != patches:
+        raise ValueError(f"old_grid={old_grid} does not match {patches} patch rows.")
+    prefix, grid = posemb[:, :num_prefix_tokens], posemb[0, num_prefix_tokens:]
+    grid = grid.reshape(*old_grid, -1)
+    if old_grid == new_grid:
+        resampled = grid
+    elif interpolation == "zoom":
+        from scipy import ndimage
+
+        factors = (new_grid[0] / old_grid[0], new_grid[1] / old_grid[1], 1)
+        resampled = ndimage.zoom(grid.astype(np.float64), factors, order=1)
+    else:
+        rows = _interpolation_matrix(old_grid[0], new_grid[0], interpolation)
+        cols = _interpolation_matrix(old_grid[1], new_grid[1], interpolation)
+        resampled = np.einsum("ij,jkd,lk->ild", rows, grid.astype(np.float64), cols)
+    resampled = resampled.reshape(1, new_grid[0] * new_grid[1], -1).astype(posemb.dtype)
+    out = np.concatenate([prefix, resampled], axis=1)
+    return out[0] if squeeze else out
+
+
+# === Conversion ===
+
+
+def _missing(key, params):
+    close = difflib.get_close_matches(key, list(params), n=3, cutoff=0.5)
+    return CheckpointError(
+        f"The checkpoint has no key {key!r}" + (f"; closest keys present: {close}" if close else "") + "."
+    )
+
+
+def _resnet_path(key):
+    """`block1/unit2/gn1/scale` -> `resnet/block1_unit2/gn1/gamma` (None if not a ResNet key)."""
+    match = _RESNET_KEY.match(key)
+    if not match:
+        return None
+    layer, param = match.group(1), match.group(4)
+    if layer.split("/")[-1].startswith("gn"):
+        param = _NORM_PARAM[param]
+    return "resnet/" + layer.replace("/unit", "_unit") + "/" + param
+
+
+def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicubic", skip_mismatched_head=True):
+    """Maps a canonical checkpoint onto a model's weights.
+
+    Args:
+        params: the output of `canonicalize`.
+        target_shapes: the model's weights, {path: shape} (e.g.
+            "encoderblock_0/attention/qkv_kernel": (D, 3D)).
+        grid_size: the model's patch grid, for resampling the position embeddings.
+
+    Returns:
+        (weights, notes): {path: array} for every weight to set, and messages
+        about what was resampled, dropped or left as initialised.
+
+    Raises:
+        CheckpointError naming the key for a missing key, a shape mismatch or a
+        key the model has no place for.
+    """
+    weights, notes, used = {}, [], set()
+
+    def take(key):
+        if key not in params:
+            raise _missing(key, params)
+        used.add(key)
+        return np.asarray(params[key])
+
+    for path, shape in target_shapes.items():
+        shape = tuple(shape)
+        block = re.match(r"^encoderblock_(\d+)/(.+)$", path)
+        if path.startswith("resnet/"):
+            key = next((k for k in params if _resnet_path(k) == path), None)
+            if key is None:
+                wanted = path[len("resnet/") :].replace("_unit", "/unit")
+                wanted = re.sub(r"/(gn[^/]*)/gamma$", r"/\1/scale", wanted)
+                wanted = re.sub(r"/(gn[^/]*)/beta$", r"/\1/bias", wanted)
+                raise _missing(wanted, params)
+            value = take(key)
+        elif block:
+            prefix, rest = f"Transformer/encoderblock_{block.group(1)}/", block.group(2)
+            attention = prefix + _ATTENTION
+            if rest == "attention/qkv_kernel":
+                value = np.concatenate(
+                    [take(f"{attention}/{n}/kernel").reshape(shape[0], -1) for n in _QKV], axis=1
+                )
+            elif rest == "attention/qkv_bias":
+                value = np.concatenate([take(f"{attention}/{n}/bias").reshape(-1) for n in _QKV])
+            elif rest == "attention/output_kernel":
+                kernel = take(f"{attention}/out/kernel")
+                value = kernel.reshape(-1, kernel.shape[-1])
+            else:
+                theirs = {v: k for k, v in _BLOCK.items()}.get(rest)
+                if theirs is None:
+                    raise CheckpointError(f"No checkpoint key is known for the model weight {path!r}.")
+                value = take(prefix + theirs)
+        else:
+            theirs = {v: k for k, v in _TOP_LEVEL.items()}.get(path)
+            if theirs is None:
+                raise CheckpointError(f"No checkpoint key is known for the model weight {path!r}.")
+            if path.startswith("head/") and theirs not in params:
+                notes.append(f"The checkpoint has no head: {path} left as initialised.")
+                continue
+            value = take(theirs)
+            if path == "patch_encoder/position_embedding":
+                has_class_token = "patch_encoder/class_token" in target_shapes
+                checkpoint_class_token = "cls" in params
+                if checkpoint_class_token and not has_class_token:
+                    value = value[:, 1:]
+                    notes.append("The checkpoint's class token (and its position) dropped: the model pools with 'gap'.")
+                    used.add("cls")
+                patches = grid_size[0] * grid_size[1]
+                if value.shape[1] - has_class_token != patches and value.shape[-1] == shape[-1]:
+                    notes.append(
+                        f"Position embeddings resampled from {value.shape[1] - has_class_token} to "
+                        f"{grid_size[0]}x{grid_size[1]} patches ({interpolation})."
+                    )
+                    value = resample_position_embeddings(
+                        value, grid_size, interpolation, num_prefix_tokens=int(has_class_token)
+                    )
+            if path.startswith("head/") and value.shape != shape:
+                if not skip_mismatched_head:
+                    raise CheckpointError(
+                        f"The checkpoint's {theirs!r} has shape {value.shape}, the model's head "
+                        f"{path!r} has shape {shape}; pass skip_mismatched_head=True to keep the "
+                        "model's head for a new task."
+                    )
+                notes.append(
+                    f"Head not loaded: checkpoint {theirs} {value.shape} vs model {shape}; "
+                    "the model's head is left as initialised for the new task."
+                )
+                continue
+        if value.shape != shape:
+            raise CheckpointError(
+                f"Shape mismatch for {path!r}: the checkpoint gives {value.shape}, the model expects {shape}."
+            )
+        weights[path] = value
+
+    unused = sorted(set(params) - used)
+    dropped = [k for k in unused if k.startswith(("pre_logits/", "head/"))]
+    if dropped:
+        notes.append(f"Not in the model, dropped: {dropped}.")
+    unexpected = [k for k in unused if k not in dropped]
+    if unexpected:
+        raise CheckpointError(
+            f"The checkpoint has {len(unexpected)} key(s) the model has no place for, e.g. "
+            f"{unexpected[:5]}; is it another variant (depth, hybrid, classifier)?"
+        )
+    return weights, notes
+
+
+def to_checkpoint(weights, num_heads):
+    """The inverse of `convert_checkpoint`: {path: array} -> vit_jax names.
+
+    `num_heads` splits the fused attention kernels into (D, heads, head_dim).
+    """
+    params = {}
+    ours_to_top = {v: k for k, v in _TOP_LEVEL.items()}
+    ours_to_block = {v: k for k, v in _BLOCK.items()}
+    for path, value in weights.items():
+        block = re.match(r"^encoderblock_(\d+)/(.+)$", path)
+        if path.startswith("resnet/"):
+            layer, param = path[len("resnet/") :].rsplit("/", 1)
+            if layer.split("/")[-1].startswith("gn"):
+                param = {v: k for k, v in _NORM_PARAM.items()}[param]
+            params[layer.replace("_unit", "/unit") + "/" + param] = value
+        elif block:
+            prefix, rest = f"Transformer/encoderblock_{block.group(1)}/", block.group(2)
+            attention = prefix + _ATTENTION
+            heads = num_heads
+            if rest == "attention/qkv_kernel":
+                dim = value.shape[0]
+                for n, part in zip(_QKV, np.split(value, 3, axis=1)):
+                    params[f"{attention}/{n}/kernel"] = part.reshape(dim, heads, dim // heads)
+            elif rest == "attention/qkv_bias":
+                for n, part in zip(_QKV, np.split(value, 3)):
+                    params[f"{attention}/{n}/bias"] = part.reshape(heads, -1)
+            elif rest == "attention/output_kernel":
+                params[f"{attention}/out/kernel"] = value.reshape(heads, -1, value.shape[-1])
+            else:
+                params[prefix + ours_to_block[rest]] = value
+        else:
+            params[ours_to_top[path]] = value
+    return params
+
+
+# === Models ===
+
+
+def _encoder(model):
+    from keras_vit.layers import PatchEncoder
+
+    encoders = [layer for layer in model.layers if isinstance(layer, PatchEncoder)]
+    if len(encoders) != 1:
+        raise ValueError(f"Expected a model from build_vit with one PatchEncoder; {model.name!r} has {len(encoders)}.")
+    return encoders[0]
+
+
+def load_pretrained(model, path, *, interpolation="bicubic", skip_mismatched_head=True):
+    """Loads an original ViT checkpoint (.npz, local or gs://) into a model from `build_vit`.
+
+    All of the checkpoint is read, converted and checked against the model
+    before any weight is assigned: on any error the model is unchanged.
+
+    Args:
+        model: a model from `build_vit` (any resolution, classifier, head).
+        path: the .npz file.
+        interpolation: how position embeddings are resampled when the patch
+            grid differs, see `resample_position_embeddings`.
+        skip_mismatched_head: a head of another shape (another number of
+            classes) is left as initialised (zeros) instead of raising.
+
+    Returns:
+        The notes of the conversion (also logged): resampling, dropped keys,
+        skipped head.
+    """
+    if interpolation not in INTERPOLATIONS:
+        raise ValueError(
+            f"`interpolation` must be one of {INTERPOLATIONS}. Received: interpolation={interpolation!r}"
+        )
+    params = canonicalize(read_npz(path))
+    variables = _variables(model)
+    weights, notes = convert_checkpoint(
+        params,
+        {p: tuple(v.shape) for p, v in variables.items()},
+        _encoder(model).grid_size,
+        interpolation=interpolation,
+        skip_mismatched_head=skip_mismatched_head,
+    )
+    for path_, value in weights.items():
+        variables[path_].assign(value.astype(variables[path_].dtype))
+    for note in notes:
+        log.warning("load_pretrained(%s): %s", path, note)
+    return notes
+
+
+def _variables(model):
+    """The model's weights by path (random-generator states are not weights)."""
+    return {v.path: v for v in model.weights if "seed_generator" not in v.path}
+
+
+def save_npz(model, path):
+    """Writes a model from `build_vit` as an original (vit_jax) .npz checkpoint."""
+    from keras_vit.layers import TransformerBlock
+
+    heads = {layer.num_heads for layer in model.layers if isinstance(layer, TransformerBlock)}
+    weights = {p: keras.ops.convert_to_numpy(v) for p, v in _variables(model).items()}
+    write_npz(to_checkpoint(weights, heads.pop() if heads else 1), path)
+
+
+def _rebuild(model, image_size=None, head=None):
+    """Rebuilds a chain-shaped model from its layers' configs, optionally at another size."""
+    from keras_vit.variants import to_pair
+
+    layers = model.layers
+    if not isinstance(layers[0], keras.layers.InputLayer) or any(
+        len(layer._inbound_nodes) != 1 for layer in layers[1:]
+    ):
+        raise ValueError(f"Expected a model from build_vit (a chain of layers); got {model.name!r}.")
+    height, width, channels = model.input_shape[1:]
+    if image_size is not None:
+        height, width = to_pair(image_size, "image_size")
+    inputs = keras.Input((height, width, channels), dtype=model.inputs[0].dtype, name=layers[0].name)
+    x, clones = inputs, []
+    for layer in layers[1:]:
+        clone = layer.__class__.from_config(layer.get_config())
+        x = clone(x)
+        clones.append(clone)
+    return keras.Model(inputs, x, name=model.name), list(zip(layers[1:], clones))
+
+
+def set_image_size(model, image_size, interpolation="bicubic"):
+    """A new model at another resolution with the same weights.
+
+    The position embeddings are resampled to the new patch grid (see
+    `resample_position_embeddings`); every other weight is copied.  Fine-tune
+    at the new size: resampling alone costs accuracy (about 9.5% top-1 from
+    384 to 224 px, google-research/vision_transformer issue 6).
+    """
+    from keras_vit.layers import PatchEncoder
+
+    if interpolation not in INTERPOLATIONS:
+        raise ValueError(
+            f"`interpolation` must be one of {INTERPOLATIONS}. Received: interpolation={interpolation!r}"
+        )
+    new_model, pairs = _rebuild(model, image_size)
+    for old, new in pairs:
+        values = old.get_weights()
+        if isinstance(old, PatchEncoder):
+            values[-1] = resample_position_embeddings(
+                values[-1], new.grid_size, interpolation,
+                old_grid=old.grid_size, num_prefix_tokens=int(old.use_class_token),
+            )
+        new.set_weights(values)
+    return new_model
+
+
+# === Transfer learning ===
+
+
+def replace_head(model, num_classes, *, name=None):
+    """The same backbone (shared layers and weights) with a new zero-initialised head.
+
+    `num_classes=None` returns the backbone: the pooled (or pre-logits) features.
+    """
+    features = model.get_layer("head").input if "head" in [l.name for l in model.layers] else model.output
+    outputs = features
+    if num_classes:
+        outputs = keras.layers.Dense(num_classes, kernel_initializer="zeros", dtype="float32", name="head")(
+            features
+        )
+    return keras.Model(model.inputs, outputs, name=name or model.name)
+
+
+def freeze_backbone(model, trainable=False):
+    """Freezes (or unfreezes) every layer but the head: a linear probe.
+
+    Recompile the model after calling this for the change to take effect.
+    """
+    for layer in model.layers:
+        if layer.name != "head":
+            layer.trainable = trainable
+    return model
