@@ -70,6 +70,15 @@ def extract_patches(images, patch_size, grid_size):
     return ops.reshape(x, (-1, gh * gw, ph * pw * channels))
 
 
+def exact_gelu(x):
+    """GELU with the Gaussian CDF written through erf: x * (1 + erf(x / sqrt(2))) / 2.
+
+    The same function as `ops.gelu(x, approximate=False)`, whose TensorFlow
+    kernel uses erfc, an op ONNX lacks; erf converts to ONNX and TFLite alike.
+    """
+    return 0.5 * x * (1.0 + ops.erf(x * ops.cast(1.0 / math.sqrt(2.0), x.dtype)))
+
+
 # === Layers ===
 
 
@@ -399,7 +408,7 @@ class TransformerBlock(keras.layers.Layer):
             attended, scores = attended
         x = inputs + self._drop_path(self.dropout(attended, training=training), training)
         y = self.mlp_dense_1(self.mlp_norm(x))
-        y = self.dropout(ops.gelu(y, approximate=False), training=training)
+        y = self.dropout(exact_gelu(y), training=training)
         y = self.dropout(self.mlp_dense_2(y), training=training)
         outputs = x + self._drop_path(y, training)
         if return_attention_scores:
