@@ -1,12 +1,21 @@
 r"""Benchmarks of keras_vit on this machine.
 
     python -m experiments.benchmark --mode=patch_projection --variant=B/16 --batch_size=16
+    python -m experiments.benchmark --mode=serving --variant=Ti/16 --image_size=224
 
 `patch_projection`: the patch embedding as a strided conv versus patch cutting
 plus one matmul (`PatchEncoder(projection=...)`), same weights, with and
 without XLA; repetitions are interleaved and the median is reported, with the
 ratio conv / matmul (> 1 means the conv is faster).
+
+`serving`: file size and single-image latency (median of --repeats, after
+warm-up) of the Keras model (a tf.function), its SavedModel signature and each
+TFLite flavour (float32, float16, dynamic-range, int8; LiteRT interpreter with
+as many threads as cores), with each one's ratio to the Keras model.
 """
+
+import os
+import tempfile
 
 import statistics
 import time
@@ -18,7 +27,7 @@ from absl import app, flags
 
 import keras_vit
 
-_MODE = flags.DEFINE_enum("mode", "patch_projection", ["patch_projection"], "What to measure.")
+_MODE = flags.DEFINE_enum("mode", "patch_projection", ["patch_projection", "serving"], "What to measure.")
 _VARIANT = flags.DEFINE_string("variant", "B/16", "ViT variant, e.g. B/16.")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "Square image size in pixels.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Images per batch.")
@@ -65,11 +74,61 @@ def patch_projection(variant, image_size, batch_size, repeats):
         print(f"  jit={jit}: conv is {ratio:.2f}x the speed of matmul")
 
 
+def directory_size(path):
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def serving(variant, image_size, repeats):
+    from ai_edge_litert.interpreter import Interpreter
+
+    from keras_vit import export
+
+    model = keras_vit.build_vit(variant, image_size=image_size, num_classes=1000)
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (1, image_size, image_size, 3)).astype(np.uint8)
+    calibration = rng.integers(0, 256, (16, image_size, image_size, 3)).astype(np.uint8)
+    with tempfile.TemporaryDirectory() as tmp:
+        keras_path = os.path.join(tmp, "model.keras")
+        model.save(keras_path)
+        sizes = {"keras (.keras)": os.path.getsize(keras_path)}
+        keras_fn = tf.function(lambda x: model(x, training=False))
+        functions = {"keras (.keras)": lambda x: keras_fn(tf.cast(x, tf.float32))}
+        saved = export.export_saved_model(model, os.path.join(tmp, "saved_model"))
+        sizes["saved_model"] = directory_size(saved)
+        signature = tf.saved_model.load(saved).signatures["serving_default"]
+        functions["saved_model"] = lambda x: signature(images=tf.constant(x))["logits"]
+        for quantize in export.QUANTIZATIONS:
+            name = f"tflite {quantize or 'float32'}"
+            path = export.export_tflite(
+                model, os.path.join(tmp, f"{name}.tflite"), quantize=quantize, representative_data=calibration
+            )
+            sizes[name] = os.path.getsize(path)
+            interpreter = Interpreter(model_path=path, num_threads=os.cpu_count())
+            interpreter.allocate_tensors()
+            detail = interpreter.get_input_details()[0]
+            output = interpreter.get_output_details()[0]["index"]
+
+            def run(x, interpreter=interpreter, detail=detail, output=output):
+                interpreter.set_tensor(detail["index"], x.astype(detail["dtype"]))
+                interpreter.invoke()
+                return interpreter.get_tensor(output)
+
+            functions[name] = run
+        medians = time_calls(functions, image, repeats)
+    print(f"Serving {variant} at {image_size} px, one image, {repeats} repeats, {os.cpu_count()} CPU cores:")
+    print(f"  {'artefact':18s} {'size (MiB)':>10s} {'latency (ms)':>12s} {'vs keras':>9s}")
+    base = medians["keras (.keras)"]
+    for name, seconds in medians.items():
+        print(f"  {name:18s} {sizes[name] / 2**20:10.2f} {1000 * seconds:12.2f} {base / seconds:8.2f}x")
+
+
 def main(argv):
     del argv
     keras.utils.set_random_seed(0)
     if _MODE.value == "patch_projection":
         patch_projection(_VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, _REPEATS.value)
+    elif _MODE.value == "serving":
+        serving(_VARIANT.value, _IMAGE_SIZE.value, _REPEATS.value)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from ml_collections import config_flags
 
 import keras_vit
 from keras_vit import data as vit_data
-from keras_vit import visualize
+from keras_vit import export, visualize
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "experiments/configs/digits.py", "Python config file; fields can be overridden."
@@ -90,8 +90,39 @@ def make_optimizer(config, steps_per_epoch):
     raise ValueError(f"Unknown optimizer {config.optimizer!r}. Expected 'adamw' or 'sgd'.")
 
 
+EXPORTS = ("saved_model", "tflite", "tflite_float16", "tflite_dynamic", "tflite_int8", "onnx")
+
+
+def export_kinds(config):
+    """The exports asked for by config.export, checked before training starts."""
+    kinds = [kind.strip() for kind in config.get("export", "").split(",") if kind.strip()]
+    unknown = [kind for kind in kinds if kind not in EXPORTS]
+    if unknown:
+        raise ValueError(f"Unknown export(s) {unknown} in config.export. Expected a subset of {list(EXPORTS)}.")
+    return kinds
+
+
+def export_model(model, kind, workdir, dataset):
+    """Exports into workdir/export/; returns the path written."""
+    out = os.path.join(workdir, "export")
+    if kind == "saved_model":
+        return export.export_saved_model(
+            model, os.path.join(out, "saved_model"), class_names=dataset.class_names, overwrite=True
+        )
+    if kind == "onnx":
+        return export.export_onnx(model, os.path.join(out, "model.onnx"), overwrite=True)
+    return export.export_tflite(
+        model,
+        os.path.join(out, f"{kind}.tflite"),
+        quantize=kind.partition("_")[2] or None,
+        representative_data=dataset.train.images,  # Evaluation-pipeline images: unaugmented.
+        overwrite=True,
+    )
+
+
 def train_and_evaluate(config, workdir):
     """Runs the whole job; returns the metrics it writes to `workdir`."""
+    exports = export_kinds(config)
     tf.io.gfile.makedirs(workdir)
     keras.utils.set_random_seed(config.seed)
     keras.mixed_precision.set_global_policy(config.precision)
@@ -161,6 +192,8 @@ def train_and_evaluate(config, workdir):
         figures = os.path.join(workdir, "figures")
         for i in range(config.visualize_images):
             visualize.write_figures(model, dataset.test.images[i], figures, prefix=f"test{i}_")
+    for kind in exports:
+        metrics[f"export_{kind}"] = export_model(model, kind, workdir, dataset)
     with tf.io.gfile.GFile(os.path.join(workdir, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
     with tf.io.gfile.GFile(os.path.join(workdir, "history.json"), "w") as f:

@@ -76,6 +76,28 @@ def random_translate(image, max_shift):
     return tf.image.random_crop(padded, tf.shape(image))
 
 
+def center_crop_resize(image, size, crop_fraction=1.0):
+    """Evaluation preprocessing of one (H, W, C) image: resize, then center crop to `size`.
+
+    The image is resized (bilinear, antialiased) so that the central
+    `crop_fraction` of its shorter side becomes the target's, keeping the
+    aspect ratio, then the center is cropped.  `crop_fraction=1.0` keeps the
+    whole shorter side; 0.875 is the usual ImageNet evaluation crop.
+    Returns uint8.
+    """
+    height, width = size
+    if not 0.0 < crop_fraction <= 1.0:
+        raise ValueError(f"`crop_fraction` must be in (0, 1]. Received: crop_fraction={crop_fraction!r}")
+    shape = tf.cast(tf.shape(image)[:2], tf.float32)
+    scale = tf.maximum(height / shape[0], width / shape[1]) / crop_fraction
+    resized_shape = tf.cast(tf.math.ceil(shape * scale), tf.int32)
+    resized = tf.image.resize(image, resized_shape, antialias=True)
+    top = (resized_shape[0] - height) // 2
+    left = (resized_shape[1] - width) // 2
+    cropped = tf.image.crop_to_bounding_box(resized, top, left, height, width)
+    return tf.cast(tf.clip_by_value(tf.round(cropped), 0, 255), tf.uint8)
+
+
 def make_pipeline(split, batch_size, *, training, num_classes=None, seed=0, max_shift=0):
     """A tf.data pipeline of (uint8 images, labels) batches over an in-memory split.
 

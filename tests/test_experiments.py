@@ -134,15 +134,12 @@ def test_visualize_command_refuses_a_file_that_is_not_an_image(tmp_path):
 
 
 def test_benchmark_runs():
-    stdout = run_module(
-        "experiments.benchmark",
-        "--mode=patch_projection",
-        "--variant=testing",
-        "--image_size=32",
-        "--batch_size=2",
-        "--repeats=2",
-    )
+    args = ["--variant=testing", "--image_size=32", "--batch_size=2", "--repeats=2"]
+    stdout = run_module("experiments.benchmark", "--mode=patch_projection", *args)
     assert "conv is" in stdout and "images/s" in stdout
+    stdout = run_module("experiments.benchmark", "--mode=serving", *args)
+    for name in ("saved_model", "tflite float32", "tflite float16", "tflite dynamic", "tflite int8"):
+        assert name in stdout
 
 
 def test_digits_data():

@@ -49,6 +49,10 @@ def get_config():
     config.precision = "float32"  # or "mixed_bfloat16", "mixed_float16".
     config.jit_compile = True
 
+    # Exports written to workdir/export at the end, comma separated: saved_model,
+    # tflite, tflite_float16, tflite_dynamic, tflite_int8, onnx.
+    config.export = ""
+
     # Figures of keras_vit.visualize for the first few test images, in workdir/figures.
     config.visualize = True
     config.visualize_images = 2

@@ -1,0 +1,102 @@
+r"""Exports a trained model for serving and checks it against the Keras model.
+
+    python -m experiments.export --model=runs/digits/model.keras \
+        --format=tflite --quantize=int8 --out=runs/digits/model_int8.tflite
+
+--format: saved_model (with the `serving_default` and `serving_bytes`
+signatures), tflite (--quantize: none, float16, dynamic, int8) or onnx.  int8
+is calibrated on the digits training images when the model takes digits-sized
+images, otherwise on --calibration_images (an .npy file of NHWC pixels).
+Prints the file size and the parity of the artefact with the Keras model on the
+same images.
+"""
+
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import app, flags
+
+from keras_vit import export
+
+_MODEL = flags.DEFINE_string("model", None, "A .keras model.", required=True)
+_FORMAT = flags.DEFINE_enum("format", "saved_model", ["saved_model", "tflite", "onnx"], "Artefact.")
+_QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "float16", "dynamic", "int8"], "TFLite only.")
+_OUT = flags.DEFINE_string("out", None, "Where to write the artefact.", required=True)
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --out.")
+_CALIBRATION = flags.DEFINE_string("calibration_images", None, ".npy images for int8 calibration.")
+_CLASS_NAMES = flags.DEFINE_list("class_names", None, "Class names for the SavedModel's outputs.")
+
+
+def artefact_size(path):
+    if tf.io.gfile.isdir(path):
+        return sum(
+            tf.io.gfile.stat(os.path.join(root, name)).length
+            for root, _, files in tf.io.gfile.walk(path)
+            for name in files
+        )
+    return tf.io.gfile.stat(path).length
+
+
+def sample_images(model, count, seed=0):
+    """Images to calibrate and compare on: digits when the model takes them, else random pixels."""
+    height, width, channels = model.input_shape[1:]
+    if height == width and channels == 3:
+        from keras_vit.data import load_digits
+
+        return load_digits(image_size=height).test.images[:count]
+    return np.random.default_rng(seed).integers(0, 256, (count, height, width, channels)).astype(np.uint8)
+
+
+def run_artefact(kind, path, images):
+    """Logits of the exported artefact on `images`."""
+    if kind == "saved_model":
+        loaded = tf.saved_model.load(path)
+        return loaded.signatures["serving_default"](images=tf.constant(images))["logits"].numpy()
+    if kind == "tflite":
+        from ai_edge_litert.interpreter import Interpreter
+
+        interpreter = Interpreter(model_path=path)
+        interpreter.allocate_tensors()
+        detail, output = interpreter.get_input_details()[0], interpreter.get_output_details()[0]
+        logits = []
+        for image in images:
+            interpreter.set_tensor(detail["index"], image[None].astype(detail["dtype"]))
+            interpreter.invoke()
+            logits.append(interpreter.get_tensor(output["index"])[0].copy())
+        return np.stack(logits)
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: images.astype(np.float32)})[0]
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    model = keras.saving.load_model(_MODEL.value)
+    quantize = None if _QUANTIZE.value == "none" else _QUANTIZE.value
+    images = sample_images(model, 100)
+    if _FORMAT.value == "saved_model":
+        path = export.export_saved_model(model, _OUT.value, class_names=_CLASS_NAMES.value, overwrite=_OVERWRITE.value)
+    elif _FORMAT.value == "tflite":
+        calibration = np.load(_CALIBRATION.value) if _CALIBRATION.value else images
+        path = export.export_tflite(
+            model, _OUT.value, quantize=quantize, representative_data=calibration, overwrite=_OVERWRITE.value
+        )
+        print(f"TFLite operators: {', '.join(export.tflite_operators(path))}")
+    else:
+        path = export.export_onnx(model, _OUT.value, overwrite=_OVERWRITE.value)
+    expected = model.predict(images, verbose=0)
+    got = run_artefact(_FORMAT.value, path, images)
+    agreement = float((got.argmax(-1) == expected.argmax(-1)).mean())
+    print(f"Wrote {path} ({artefact_size(path) / 2**20:.2f} MiB)")
+    print(
+        f"Parity with the Keras model on {len(images)} images: max |logit difference| "
+        f"{np.abs(got - expected).max():.3g}, top-1 agreement {100 * agreement:.1f}%"
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)

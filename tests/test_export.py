@@ -1,0 +1,180 @@
+"""Exported artefacts, each run in a process that never imports keras_vit."""
+
+import pathlib
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from ml_collections import ConfigDict
+
+import keras_vit
+from experiments import train
+from experiments.configs import digits
+from keras_vit import data as vit_data
+from keras_vit import export
+from tests.conftest import random_images, randomize_weights
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def serve(kind, artefact, tmp_path, **inputs):
+    """Runs tests/serving_check.py in a fresh interpreter; returns its outputs."""
+    np.savez(tmp_path / "inputs.npz", **inputs)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "serving_check.py"), kind, str(artefact),
+         str(tmp_path / "inputs.npz"), str(tmp_path / "outputs.npz")],
+        capture_output=True, text=True, timeout=600, env={"TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return dict(np.load(tmp_path / "outputs.npz", allow_pickle=False))
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """A model trained briefly on digits with the default config, and its data."""
+    config = digits.get_config()
+    config.epochs = 12
+    config.visualize = False
+    workdir = tmp_path_factory.mktemp("digits")
+    train.train_and_evaluate(config, str(workdir))
+    model = keras.saving.load_model(workdir / "model.keras")
+    dataset = vit_data.load_digits(image_size=config.image_size)
+    return model, dataset
+
+
+@pytest.fixture
+def small_model():
+    return randomize_weights(
+        keras_vit.build_vit("testing", image_size=32, num_classes=4, patch_size=8, num_heads=2, num_layers=2),
+        scale=0.1,
+    )
+
+
+def test_saved_model_signatures_match_keras(digits_run, tmp_path):
+    model, dataset = digits_run
+    path = export.export_saved_model(model, tmp_path / "sm", class_names=dataset.class_names, top_k=3)
+    images = dataset.test.images[:20]
+    other_size = tf.image.resize(images[:3], (23, 37)).numpy().round().astype(np.uint8)
+    encoded = [tf.io.encode_png(image).numpy() for image in images] + [
+        tf.io.encode_jpeg(image).numpy() for image in other_size
+    ]
+    out = serve("saved_model", path, tmp_path, images=images, encoded=np.array(encoded))
+    expected = model.predict(images, verbose=0)
+    np.testing.assert_allclose(out["images_logits"], expected, atol=1e-5)
+    np.testing.assert_allclose(out["images_probabilities"], tf.nn.softmax(expected).numpy(), atol=1e-6)
+    np.testing.assert_array_equal(out["images_top_k"][:, 0], expected.argmax(-1))
+    names = np.array(dataset.class_names)[out["images_top_k"]]
+    np.testing.assert_array_equal(out["images_top_k_names"].astype(str), names)
+    # Encoded bytes: PNGs of the model's size decode to the same pixels.
+    np.testing.assert_allclose(out["bytes_logits"][:20], expected, atol=1e-5)
+    # Other sizes are resized and center-cropped in the graph as the evaluation pipeline does.
+    decoded = np.stack(
+        [vit_data.center_crop_resize(tf.io.decode_jpeg(e, channels=3), (16, 16)).numpy() for e in encoded[20:]]
+    )
+    np.testing.assert_allclose(out["bytes_logits"][20:], model.predict(decoded, verbose=0), atol=1e-5)
+    # Bytes that are not an image: a clear error for that request, and the process serves on.
+    assert "expects encoded JPEG, PNG, GIF or BMP images" in str(out["bad_request_error"])
+    np.testing.assert_allclose(out["after_error_logits"], expected, atol=1e-5)
+
+
+def test_saved_model_as_a_keras_layer(small_model, tmp_path):
+    path = export.export_saved_model(small_model, tmp_path / "sm")
+    images = random_images((3, 32, 32, 3)).astype(np.uint8)
+    out = serve("tfsmlayer", path, tmp_path, images=images)
+    np.testing.assert_allclose(out["logits"], small_model.predict(images, verbose=0), atol=1e-5)
+
+
+@pytest.mark.parametrize("batch_size", [1, None])
+def test_tflite_float32_matches_keras(small_model, tmp_path, batch_size):
+    path = export.export_tflite(small_model, tmp_path / "m.tflite", batch_size=batch_size)
+    images = random_images((5, 32, 32, 3)).astype(np.uint8)
+    out = serve("tflite", path, tmp_path, images=images)
+    np.testing.assert_allclose(out["logits"], small_model.predict(images, verbose=0), atol=1e-4)
+    assert not [op for op in export.tflite_operators(path) if op.startswith("CUSTOM")]
+    assert "GELU" in export.tflite_operators(path)
+
+
+def test_quantized_tflite_agrees_with_keras_on_digits(digits_run, tmp_path):
+    model, dataset = digits_run
+    images = dataset.test.images
+    expected = model.predict(images, verbose=0).argmax(-1)
+    assert (expected == dataset.test.labels).mean() > 0.5  # a trained model, not a constant one
+    calibration = vit_data.make_pipeline(dataset.train, 32, training=False)
+    agreement = {}
+    for quantize in ("float16", "int8"):
+        path = export.export_tflite(
+            model, tmp_path / f"{quantize}.tflite", quantize=quantize, representative_data=calibration
+        )
+        out = serve("tflite", path, tmp_path, images=images)
+        agreement[quantize] = (out["logits"].argmax(-1) == expected).mean()
+        if quantize == "int8":
+            assert str(out["input_dtype"]) == "uint8"  # raw pixels in
+            assert "QUANTIZE" in export.tflite_operators(path)
+    assert agreement["float16"] >= 0.99, agreement
+    assert agreement["int8"] >= 0.97, agreement
+
+
+def test_int8_tflite_of_ti16_is_under_30_percent_of_float32(tmp_path):
+    model = keras_vit.build_vit("Ti/16", num_classes=10)
+    float32 = export.export_tflite(model, tmp_path / "f32.tflite")
+    calibration = np.random.default_rng(0).integers(0, 256, (8, 224, 224, 3)).astype(np.uint8)
+    int8 = export.export_tflite(model, tmp_path / "int8.tflite", quantize="int8", representative_data=calibration)
+    ratio = pathlib.Path(int8).stat().st_size / pathlib.Path(float32).stat().st_size
+    assert ratio <= 0.30, ratio
+
+
+def test_onnx_matches_keras(small_model, tmp_path):
+    path = export.export_onnx(small_model, tmp_path / "m.onnx")
+    images = random_images((4, 32, 32, 3)).astype(np.uint8)
+    out = serve("onnx", path, tmp_path, images=images)
+    np.testing.assert_allclose(out["logits"], small_model.predict(images, verbose=0), atol=1e-4)
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class InverseErf(keras.layers.Layer):
+    def call(self, x):
+        return keras.ops.erfinv(keras.ops.tanh(x))
+
+
+def test_tflite_refuses_ops_that_need_flex(tmp_path):
+    inputs = keras.Input((8, 8, 3))
+    model = keras.Model(inputs, InverseErf()(keras.layers.Flatten()(inputs)))
+    with pytest.raises(export.ExportError, match="builtin ops only"):
+        export.export_tflite(model, tmp_path / "flex.tflite")
+    assert not (tmp_path / "flex.tflite").exists()
+
+
+def test_bad_export_requests(small_model, tmp_path):
+    path = export.export_tflite(small_model, tmp_path / "m.tflite")
+    with pytest.raises(FileExistsError, match="already exists; pass overwrite=True"):
+        export.export_tflite(small_model, path)
+    export.export_tflite(small_model, path, overwrite=True, quantize="dynamic")
+    with pytest.raises(ValueError, match="quantize='int4'"):
+        export.export_tflite(small_model, tmp_path / "x.tflite", quantize="int4")
+    with pytest.raises(ValueError, match="needs `representative_data`"):
+        export.export_tflite(small_model, tmp_path / "x.tflite", quantize="int8")
+    sm = export.export_saved_model(small_model, tmp_path / "sm")
+    with pytest.raises(FileExistsError):
+        export.export_saved_model(small_model, sm)
+    with pytest.raises(ValueError, match="3 names, the model has 4 classes"):
+        export.export_saved_model(small_model, tmp_path / "sm2", class_names=["a", "b", "c"])
+
+
+def test_export_command_and_training_exports(digits_run, tmp_path):
+    model, _ = digits_run
+    model.save(tmp_path / "m.keras")
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.export", f"--model={tmp_path / 'm.keras'}", "--format=tflite",
+         "--quantize=dynamic", f"--out={tmp_path / 'm.tflite'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "MiB)" in result.stdout and "top-1 agreement" in result.stdout
+    config = ConfigDict(digits.get_config().to_dict())
+    config.export = "saved_model,tflite_int8,bogus"
+    with pytest.raises(ValueError, match="bogus"):
+        train.train_and_evaluate(config, str(tmp_path / "never"))
+    assert not (tmp_path / "never").exists()  # refused before anything was written
