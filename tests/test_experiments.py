@@ -64,8 +64,12 @@ def test_config_overrides_from_the_command_line(tmp_path):
         "--config.model.num_layers=1",
         "--config.model.classifier=gap",
         "--config.jit_compile=False",
+        "--config.export=saved_model,tflite",
     )
     metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert (tmp_path / "export" / "saved_model" / "saved_model.pb").exists()
+    assert (tmp_path / "export" / "tflite.tflite").stat().st_size > 0
+    assert metrics["export_tflite"] == str(tmp_path / "export" / "tflite.tflite")
     assert metrics["epochs"] == 2 and "test_accuracy" in stdout
     model = keras.saving.load_model(tmp_path / "model.keras")
     assert model.get_layer("pooling").method == "gap"
