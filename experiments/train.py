@@ -4,8 +4,10 @@ r"""Trains a ViT with `model.fit` and writes the model and its metrics.
     python -m experiments.train --config=experiments/configs/digits.py \
         --config.epochs=10 --workdir=/tmp/vit_digits
 
-Writes into --workdir: `model.keras` (the trained model), `metrics.json`,
-`history.json` (per-epoch metrics), `figures/` (with --config.visualize: the
+Writes into --workdir: `model.keras` (the trained model), `best.keras` (the
+epoch with the best validation accuracy), `metrics.json`, `history.json` (this
+process's epochs), `log.csv` (every epoch, across restarts), `tensorboard/`,
+`figures/` (with --config.visualize: the
 attention and embedding figures of `keras_vit.visualize` for a few test
 images) and, while it runs, `backup/` (the state of an interrupted run; `fit`
 resumes from it when the same command is run again).
@@ -165,7 +167,17 @@ def train_and_evaluate(config, workdir):
         epochs=config.epochs,
         validation_data=test_ds,
         callbacks=[
-            keras.callbacks.BackupAndRestore(os.path.join(workdir, "backup")),
+            # The state of an interrupted run: a killed run started again with the
+            # same command resumes from here, losing at most `backup_every` steps.
+            keras.callbacks.BackupAndRestore(
+                os.path.join(workdir, "backup"), save_freq=config.get("backup_every", "epoch")
+            ),
+            keras.callbacks.TerminateOnNaN(),
+            keras.callbacks.ModelCheckpoint(
+                os.path.join(workdir, "best.keras"), monitor="val_accuracy", save_best_only=True
+            ),
+            keras.callbacks.CSVLogger(os.path.join(workdir, "log.csv"), append=True),
+            keras.callbacks.TensorBoard(os.path.join(workdir, "tensorboard")),
             throughput,
         ],
         verbose=2,
@@ -179,6 +191,7 @@ def train_and_evaluate(config, workdir):
         "test_accuracy": float(test_accuracy),
         "test_loss": float(test_loss),
         "epochs": int(config.epochs),
+        "steps": int(model.optimizer.iterations.numpy()),
         "train_images_per_second": throughput.images_per_second(
             steps_per_epoch * config.batch_size
         ),

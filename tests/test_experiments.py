@@ -160,3 +160,35 @@ def test_digits_data():
     assert len(list(train)) == 1437 // 64  # drop_remainder for training
     test = vit_data.make_pipeline(dataset.test, 64, training=False)
     assert sum(len(y) for _, y in test) == 360  # every test example kept, in order
+
+
+def test_a_killed_run_resumes_from_its_backup(tmp_path):
+    """SIGKILL in the middle of an epoch; the same command again finishes the run."""
+    import signal
+    import time
+
+    args = [sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}", "--config.epochs=6",
+            "--config.visualize=False", "--config.model.num_layers=1", "--config.jit_compile=False"]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        if line.startswith("Epoch 4/6"):  # epochs 1-3 are backed up; kill inside epoch 4
+            time.sleep(0.5)
+            process.send_signal(signal.SIGKILL)
+            break
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL, "".join(seen[-20:])
+    assert (tmp_path / "backup").exists() and not (tmp_path / "metrics.json").exists()
+
+    stdout = run_module("experiments.train", *args[3:])
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    steps_per_epoch = 1437 // 64
+    assert metrics["steps"] == 6 * steps_per_epoch  # the same as an uninterrupted run
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert len(history["loss"]) == 3  # only epochs 4-6 ran again
+    assert "Epoch 1/6" not in stdout
+    log = (tmp_path / "log.csv").read_text().strip().splitlines()
+    assert [row.split(",")[0] for row in log[1:]][-3:] == ["3", "4", "5"]
+    assert not (tmp_path / "backup").exists()

@@ -46,6 +46,9 @@ def get_config():
     config.grad_clip_norm = 1.0
     config.label_smoothing = 0.1
 
+    # BackupAndRestore frequency: "epoch" or a number of steps.
+    config.backup_every = "epoch"
+
     config.precision = "float32"  # or "mixed_bfloat16", "mixed_float16".
     config.jit_compile = True
 
