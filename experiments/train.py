@@ -24,12 +24,15 @@ from ml_collections import config_flags
 
 import keras_vit
 from keras_vit import data as vit_data
-from keras_vit import export, visualize
+from keras_vit import export, training, visualize
+from keras_vit.distribute import STRATEGIES, get_strategy
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "experiments/configs/digits.py", "Python config file; fields can be overridden."
 )
 _WORKDIR = flags.DEFINE_string("workdir", "runs/digits", "Where the model and metrics go.")
+_STRATEGY = flags.DEFINE_enum("strategy", "auto", list(STRATEGIES), "Distribution strategy.")
+_TPU = flags.DEFINE_string("tpu", None, "TPU name, grpc:// address or 'local' (with --strategy=tpu or auto).")
 
 
 class Throughput(keras.callbacks.Callback):
@@ -74,22 +77,15 @@ def build_model(config, num_classes):
 
 def make_optimizer(config, steps_per_epoch):
     total_steps = config.epochs * steps_per_epoch
-    warmup_steps = min(config.warmup_epochs * steps_per_epoch, total_steps - 1)
-    schedule = keras.optimizers.schedules.CosineDecay(
-        initial_learning_rate=0.0,
-        decay_steps=max(total_steps - warmup_steps, 1),
-        warmup_target=config.learning_rate,
-        warmup_steps=warmup_steps,
+    return training.make_optimizer(
+        config.optimizer,
+        config.learning_rate,
+        total_steps,
+        min(config.warmup_epochs * steps_per_epoch, total_steps - 1),
+        weight_decay=config.weight_decay,
+        decay=config.get("decay", "cosine"),
+        grad_clip_norm=config.grad_clip_norm,
     )
-    if config.optimizer == "adamw":
-        return keras.optimizers.AdamW(
-            schedule, weight_decay=config.weight_decay, global_clipnorm=config.grad_clip_norm
-        )
-    if config.optimizer == "sgd":
-        return keras.optimizers.SGD(
-            schedule, momentum=0.9, global_clipnorm=config.grad_clip_norm
-        )
-    raise ValueError(f"Unknown optimizer {config.optimizer!r}. Expected 'adamw' or 'sgd'.")
 
 
 EXPORTS = ("saved_model", "tflite", "tflite_float16", "tflite_dynamic", "tflite_int8", "onnx")
@@ -122,8 +118,12 @@ def export_model(model, kind, workdir, dataset):
     )
 
 
-def train_and_evaluate(config, workdir):
-    """Runs the whole job; returns the metrics it writes to `workdir`."""
+def train_and_evaluate(config, workdir, strategy=None):
+    """Runs the whole job; returns the metrics it writes to `workdir`.
+
+    `strategy` defaults to one device; the batch size in `config` is global.
+    """
+    strategy = strategy or get_strategy("one_device")
     exports = export_kinds(config)
     tf.io.gfile.makedirs(workdir)
     keras.utils.set_random_seed(config.seed)
@@ -144,21 +144,26 @@ def train_and_evaluate(config, workdir):
     )
     steps_per_epoch = len(dataset.train) // config.batch_size
 
-    # === Model ===
-    model = build_model(config, dataset.num_classes)
-    if config.get("pretrained"):
-        # An original .npz checkpoint; a head of another size stays zero for this task.
-        keras_vit.load_pretrained(model, config.pretrained, interpolation=config.get("interpolation", "bicubic"))
-    if config.get("freeze_backbone"):
-        keras_vit.freeze_backbone(model)  # A linear probe: only the head trains.
-    model.compile(
-        optimizer=make_optimizer(config, steps_per_epoch),
-        loss=keras.losses.CategoricalCrossentropy(
-            from_logits=True, label_smoothing=config.label_smoothing
-        ),
-        metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")],
-        jit_compile=config.jit_compile,
-    )
+    # === Model, under the strategy's scope ===
+    with strategy.scope():
+        model = build_model(config, dataset.num_classes)
+        if config.get("pretrained"):
+            # An original .npz checkpoint; a head of another size stays zero for this task.
+            keras_vit.load_pretrained(
+                model, config.pretrained, interpolation=config.get("interpolation", "bicubic")
+            )
+        if config.get("freeze_backbone"):
+            keras_vit.freeze_backbone(model)  # A linear probe: only the head trains.
+        model.compile(
+            optimizer=make_optimizer(config, steps_per_epoch),
+            loss=keras.losses.CategoricalCrossentropy(
+                from_logits=True, label_smoothing=config.label_smoothing
+            ),
+            metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")],
+            jit_compile=config.jit_compile,
+            # Several steps per call: what keeps a TPU busy.
+            steps_per_execution=config.get("steps_per_execution", 1),
+        )
 
     # === Train ===
     throughput = Throughput()
@@ -218,7 +223,9 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     workdir = _WORKDIR.value
-    metrics = train_and_evaluate(_CONFIG.value, workdir)
+    strategy = get_strategy(_STRATEGY.value, _TPU.value)
+    logging.info("Strategy %s with %d replica(s)", type(strategy).__name__, strategy.num_replicas_in_sync)
+    metrics = train_and_evaluate(_CONFIG.value, workdir, strategy)
     logging.info("Metrics: %s", metrics)
     print(json.dumps(metrics, indent=2))
     print(f"Wrote the model, metrics.json and history.json to {os.path.abspath(workdir)}")

@@ -114,6 +114,10 @@ def make_pipeline(split, batch_size, *, training, num_classes=None, seed=0, max_
             "examples); with drop_remainder=True no batch would be produced."
         )
     ds = tf.data.Dataset.from_tensor_slices((split.images, split.labels))
+    # In-memory data: shard by example across workers (the FILE policy needs files).
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    ds = ds.with_options(options)
     if training:
         ds = ds.shuffle(len(split), seed=seed, reshuffle_each_iteration=True)
         if max_shift:

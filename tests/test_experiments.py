@@ -8,6 +8,7 @@ import sys
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import keras_vit
@@ -63,7 +64,8 @@ def test_config_overrides_from_the_command_line(tmp_path):
         "--config.epochs=2",
         "--config.model.num_layers=1",
         "--config.model.classifier=gap",
-        "--config.jit_compile=False",
+        "--config.jit_compile=True",
+        "--config.steps_per_execution=4",
         "--config.export=saved_model,tflite",
     )
     metrics = json.loads((tmp_path / "metrics.json").read_text())
@@ -192,3 +194,56 @@ def test_a_killed_run_resumes_from_its_backup(tmp_path):
     log = (tmp_path / "log.csv").read_text().strip().splitlines()
     assert [row.split(",")[0] for row in log[1:]][-3:] == ["3", "4", "5"]
     assert not (tmp_path / "backup").exists()
+
+
+MIRRORED_SCRIPT = """
+import json, sys
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+from experiments import train
+from experiments.configs import digits
+from keras_vit.distribute import get_strategy
+config = digits.get_config()
+config.epochs, config.visualize, config.max_shift = 3, False, 0
+config.model.dropout_rate = config.model.stochastic_depth_rate = 0.0  # no per-replica randomness
+# XLA cannot compile a step whose variables live on two logical CPU devices
+# (tensorflow.org/xla/known_issues); on GPUs and TPUs each replica compiles alone.
+config.jit_compile = False
+config.grad_clip_norm = float(sys.argv[3])
+strategy = get_strategy(sys.argv[1])
+train.train_and_evaluate(config, sys.argv[2], strategy)
+print(json.dumps({"replicas": strategy.num_replicas_in_sync}))
+"""
+
+
+def test_mirrored_over_two_cpu_devices_matches_one_device(tmp_path):
+    """Also with gradient clipping active (norm 0.05): the global gradient is clipped, not each replica's."""
+    losses = {}
+    for name in ("one_device", "mirrored"):
+        stdout = run_module_script(MIRRORED_SCRIPT, name, str(tmp_path / name), "0.05")
+        replicas = json.loads(stdout.strip().splitlines()[-1])["replicas"]
+        assert replicas == (2 if name == "mirrored" else 1)
+        losses[name] = json.loads((tmp_path / name / "history.json").read_text())["loss"]
+    # The same global batches and the same mean gradient, summed in another order.
+    np.testing.assert_allclose(losses["mirrored"], losses["one_device"], rtol=2e-3)
+
+
+def run_module_script(script, *args):
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_unknown_strategy_and_unresolvable_tpu():
+    from keras_vit.distribute import get_strategy
+
+    with pytest.raises(ValueError, match="strategy='gpu'"):
+        get_strategy("gpu")
+    with pytest.raises(ValueError, match="Could not resolve or initialise the TPU 'no-such-tpu'"):
+        get_strategy("tpu", "no-such-tpu")
+    with pytest.raises(ValueError, match="needs TF_CONFIG"):
+        get_strategy("multi_worker")

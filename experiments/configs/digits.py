@@ -49,6 +49,8 @@ def get_config():
     # BackupAndRestore frequency: "epoch" or a number of steps.
     config.backup_every = "epoch"
 
+    config.steps_per_execution = 1
+
     config.precision = "float32"  # or "mixed_bfloat16", "mixed_float16".
     config.jit_compile = True
 

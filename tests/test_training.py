@@ -1,0 +1,84 @@
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from keras_vit import training
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+CLIP_SCRIPT = """
+import json
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+from keras_vit import training
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+results = {}
+for name, cls in (("ours", training.SGD), ("keras", keras.optimizers.SGD)):
+    with strategy.scope():
+        variable = keras.Variable([0.0, 0.0])
+        optimizer = cls(1.0, global_clipnorm=1.0)
+        optimizer.build([variable])
+    def step():
+        index = tf.distribute.get_replica_context().replica_id_in_sync_group
+        # Replica 0 sees (3, 0), replica 1 sees (0, 4): the summed gradient (3, 4) has norm 5.
+        grad = tf.where(tf.equal(index, 0), tf.constant([3.0, 0.0]), tf.constant([0.0, 4.0]))
+        optimizer.apply_gradients([(grad, variable)])
+    strategy.run(tf.function(step))
+    results[name] = variable.numpy().tolist()
+print(json.dumps(results))
+"""
+
+
+def test_global_clipnorm_clips_the_summed_gradient_across_replicas():
+    result = subprocess.run(
+        [sys.executable, "-c", CLIP_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(result.stdout.strip().splitlines()[-1])
+    # One device with the same global gradient (3, 4): clipped to norm 1, step -(0.6, 0.8).
+    np.testing.assert_allclose(results["ours"], [-0.6, -0.8], atol=1e-6)
+    # Stock Keras 3.15 clips each replica's gradient on its own: a different update.
+    assert not np.allclose(results["keras"], [-0.6, -0.8], atol=1e-3)
+
+
+def test_warmup_then_cosine_and_linear_decay():
+    cosine = training.learning_rate_schedule(1e-3, total_steps=100, warmup_steps=10)
+    linear = training.learning_rate_schedule(1e-3, total_steps=100, warmup_steps=10, decay="linear")
+    for schedule in (cosine, linear):
+        rates = [float(schedule(step)) for step in (0, 5, 10, 55, 100)]
+        np.testing.assert_allclose(rates[:3], [0.0, 5e-4, 1e-3], atol=1e-9)
+        assert rates[4] == pytest.approx(0.0, abs=1e-9)
+    assert float(cosine(55)) == pytest.approx(5e-4, rel=1e-5)  # half-way through the cosine
+    assert float(linear(55)) == pytest.approx(5e-4, rel=1e-5)
+    assert float(cosine(30)) > float(linear(30))
+
+
+def test_recipes_and_their_errors(tmp_path):
+    adamw = training.make_optimizer("adamw", 1e-3, 100, 10, weight_decay=0.05)
+    assert isinstance(adamw, keras.optimizers.AdamW) and adamw.weight_decay == 0.05
+    assert adamw.global_clipnorm == 1.0
+    sgd = training.make_optimizer("sgd", 0.03, 100, 5)
+    assert isinstance(sgd, keras.optimizers.SGD) and sgd.momentum == 0.9
+    with pytest.raises(ValueError, match="optimizer='lamb'"):
+        training.make_optimizer("lamb", 1e-3, 100, 10)
+    with pytest.raises(ValueError, match="no weight decay"):
+        training.make_optimizer("sgd", 1e-3, 100, 10, weight_decay=1e-4)
+    with pytest.raises(ValueError, match="warmup_steps=100, total_steps=100"):
+        training.make_optimizer("adamw", 1e-3, 100, 100)
+    # The optimizers and schedules survive a .keras round trip.
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=training.make_optimizer("adamw", 1e-3, 100, 10, decay="linear"), loss="mse")
+    model.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
+    model.save(tmp_path / "m.keras")
+    restored = keras.saving.load_model(tmp_path / "m.keras")
+    assert isinstance(restored.optimizer, training.AdamW)
+    assert isinstance(restored.optimizer._learning_rate, training.WarmupLinearDecay)  # the schedule itself
