@@ -13,6 +13,8 @@ images) and, while it runs, `backup/` (the state of an interrupted run; `fit`
 resumes from it when the same command is run again).
 """
 
+import dataclasses
+import functools
 import json
 import os
 import time
@@ -59,11 +61,76 @@ class Throughput(keras.callbacks.Callback):
         return images_per_epoch * len(timed) / sum(timed)
 
 
+@dataclasses.dataclass
+class Data:
+    """What the job needs of a data set, whatever its source."""
+
+    train: tf.data.Dataset  # batches of (pixels, one-hot labels), augmented
+    test: tf.data.Dataset  # batches of (pixels, one-hot labels), every example
+    calibration: tf.data.Dataset  # unaugmented training images, for int8 export
+    num_classes: int
+    class_names: list
+    num_train: int
+    num_test: int
+
+
 def load_data(config):
-    if config.dataset != "digits":
-        raise ValueError(f"Unknown dataset {config.dataset!r}. Expected 'digits'.")
-    return vit_data.load_digits(
-        image_size=config.image_size, test_fraction=config.test_fraction, seed=config.seed
+    """The data set named by config.dataset: "digits", "tfds:NAME[:SPLIT]" or "folder:PATH"."""
+    name = config.dataset
+    if name == "digits":
+        digits = vit_data.load_digits(
+            image_size=config.image_size, test_fraction=config.test_fraction, seed=config.seed
+        )
+        pipeline = functools.partial(vit_data.make_pipeline, num_classes=digits.num_classes)
+        return Data(
+            train=pipeline(
+                digits.train, config.batch_size, training=True, seed=config.seed, max_shift=config.max_shift
+            ),
+            test=pipeline(digits.test, config.batch_size, training=False),
+            calibration=tf.data.Dataset.from_tensor_slices(digits.train.images),
+            num_classes=digits.num_classes,
+            class_names=digits.class_names,
+            num_train=len(digits.train),
+            num_test=len(digits.test),
+        )
+    kind, _, rest = name.partition(":")
+    if kind == "tfds" and rest:
+        tfds_name, _, split = rest.partition(":")
+        source = vit_data.load_tfds(
+            tfds_name, data_dir=config.get("data_dir") or None, train_split=split or "train"
+        )
+    elif kind == "folder" and rest:
+        source = vit_data.load_folder(rest, test_fraction=config.test_fraction, seed=config.seed)
+    else:
+        raise ValueError(
+            f"Unknown dataset {name!r}. Expected 'digits', 'tfds:NAME[:SPLIT]' or 'folder:PATH'."
+        )
+    augment = config.get("augment", {})
+    pipeline = functools.partial(
+        vit_data.image_pipeline,
+        image_size=config.image_size,
+        num_classes=source.num_classes,
+        crop_fraction=config.get("crop_fraction", 1.0),
+        cache=config.get("cache", False),
+    )
+    return Data(
+        train=pipeline(
+            source.train,
+            batch_size=config.batch_size,
+            training=True,
+            seed=config.seed,
+            crop=augment.get("inception_crop", True),
+            flip=augment.get("flip", True),
+            randaugment=augment.get("randaugment"),
+            mixup_alpha=augment.get("mixup_alpha", 0.0),
+            cutmix_alpha=augment.get("cutmix_alpha", 0.0),
+        ),
+        test=pipeline(source.test, batch_size=config.batch_size, training=False),
+        calibration=pipeline(source.train, batch_size=1, training=False).map(lambda x, y: x[0]),
+        num_classes=source.num_classes,
+        class_names=source.class_names,
+        num_train=source.num_train,
+        num_test=source.num_test,
     )
 
 
@@ -113,7 +180,7 @@ def export_model(model, kind, workdir, dataset):
         model,
         os.path.join(out, f"{kind}.tflite"),
         quantize=kind.partition("_")[2] or None,
-        representative_data=dataset.train.images,  # Evaluation-pipeline images: unaugmented.
+        representative_data=dataset.calibration,  # Evaluation-pipeline images: unaugmented.
         overwrite=True,
     )
 
@@ -131,18 +198,19 @@ def train_and_evaluate(config, workdir, strategy=None):
 
     # === Data ===
     dataset = load_data(config)
-    train_ds = vit_data.make_pipeline(
-        dataset.train,
-        config.batch_size,
-        training=True,
-        num_classes=dataset.num_classes,
-        seed=config.seed,
-        max_shift=config.max_shift,
-    )
-    test_ds = vit_data.make_pipeline(
-        dataset.test, config.batch_size, training=False, num_classes=dataset.num_classes
-    )
-    steps_per_epoch = len(dataset.train) // config.batch_size
+    train_ds, test_ds = dataset.train, dataset.test
+    steps_per_epoch = dataset.num_train // config.batch_size
+    if steps_per_epoch < 1:
+        raise ValueError(
+            f"The training split has {dataset.num_train} examples, fewer than one batch of "
+            f"{config.batch_size}."
+        )
+    expected_classes = config.get("num_classes", 0)
+    if expected_classes and expected_classes != dataset.num_classes:
+        raise ValueError(
+            f"config.num_classes={expected_classes} but the data set {config.dataset!r} has "
+            f"{dataset.num_classes} classes."
+        )
 
     # === Model, under the strategy's scope ===
     with strategy.scope():
@@ -181,7 +249,7 @@ def train_and_evaluate(config, workdir, strategy=None):
             keras.callbacks.ModelCheckpoint(
                 os.path.join(workdir, "best.keras"), monitor="val_accuracy", save_best_only=True
             ),
-            keras.callbacks.CSVLogger(os.path.join(workdir, "log.csv"), append=True),
+            training.CSVLog(os.path.join(workdir, "log.csv")),
             keras.callbacks.TensorBoard(os.path.join(workdir, "tensorboard")),
             throughput,
         ],
@@ -200,16 +268,17 @@ def train_and_evaluate(config, workdir, strategy=None):
         "train_images_per_second": throughput.images_per_second(
             steps_per_epoch * config.batch_size
         ),
-        "train_examples": len(dataset.train),
-        "test_examples": len(dataset.test),
+        "train_examples": dataset.num_train,
+        "test_examples": dataset.num_test,
         "parameters": int(model.count_params()),
     }
     # Did the position embeddings learn the grid structure of the paper's Figure 7?
     metrics.update(visualize.neighbour_similarity(visualize.position_embedding_similarity(model)))
     if config.visualize:
         figures = os.path.join(workdir, "figures")
-        for i in range(config.visualize_images):
-            visualize.write_figures(model, dataset.test.images[i], figures, prefix=f"test{i}_")
+        images = next(iter(test_ds.unbatch().batch(config.visualize_images)))[0].numpy()
+        for i, image in enumerate(images):
+            visualize.write_figures(model, image, figures, prefix=f"test{i}_")
     for kind in exports:
         metrics[f"export_{kind}"] = export_model(model, kind, workdir, dataset)
     with tf.io.gfile.GFile(os.path.join(workdir, "metrics.json"), "w") as f:

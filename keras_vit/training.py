@@ -118,3 +118,33 @@ def make_optimizer(
             f"SGD fine-tuning uses no weight decay (paper, appendix B.1.1). Received: weight_decay={weight_decay}"
         )
     return SGD(schedule, momentum=0.9, global_clipnorm=grad_clip_norm)
+
+
+class CSVLog(keras.callbacks.Callback):
+    """Per-epoch metrics as CSV, on any file system tf.io.gfile reaches (gs:// included).
+
+    Keras's CSVLogger fails on remote paths (keras 3.15: it asks the GFile for
+    `closed`) and object stores cannot append, so the whole file is rewritten
+    after each epoch.  Rows already in the file (a resumed run) are kept.
+    """
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+        self.header, self.rows = None, []
+
+    def on_train_begin(self, logs=None):
+        if tf.io.gfile.exists(self.path):
+            with tf.io.gfile.GFile(self.path, "r") as f:
+                lines = f.read().splitlines()
+            if lines:
+                self.header, self.rows = lines[0].split(","), lines[1:]
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        if self.header is None:
+            self.header = ["epoch"] + sorted(logs)
+        values = {"epoch": epoch, **logs}
+        self.rows.append(",".join(str(float(values[k]) if k != "epoch" else epoch) for k in self.header))
+        with tf.io.gfile.GFile(self.path, "w") as f:
+            f.write("\n".join([",".join(self.header), *self.rows]) + "\n")

@@ -247,3 +247,33 @@ def test_unknown_strategy_and_unresolvable_tpu():
         get_strategy("tpu", "no-such-tpu")
     with pytest.raises(ValueError, match="needs TF_CONFIG"):
         get_strategy("multi_worker")
+
+
+def test_training_on_an_image_folder_with_a_remote_workdir(tmp_path):
+    """folder: data with a corrupt file, and a workdir on TensorFlow's ram:// file system (as gs://)."""
+    from tests.test_data import write_folder
+
+    root = write_folder(tmp_path / "images", per_class=8, corrupt=["cat/broken.png"])
+    script = f"""
+import json
+import tensorflow as tf
+from experiments import train
+from experiments.configs import digits
+config = digits.get_config()
+config.dataset = "folder:{root}"
+config.image_size, config.batch_size, config.epochs, config.warmup_epochs = 16, 4, 2, 1
+config.model.patch_size = 4
+config.augment = {{"inception_crop": True, "flip": True, "randaugment": (2, 5), "mixup_alpha": 0.2}}
+config.export = "tflite_int8"
+metrics = train.train_and_evaluate(config, "ram://run")
+print(json.dumps(metrics))
+names = ["model.keras", "best.keras", "metrics.json", "history.json", "log.csv", "figures/test0_attention_rollout.png"]
+print(json.dumps({{n: tf.io.gfile.exists("ram://run/" + n) for n in names + [metrics["export_tflite_int8"][len("ram://run/"):]]}}))
+"""
+    stdout = run_module_script(script)
+    lines = stdout.strip().splitlines()
+    metrics, exists = json.loads(lines[-2]), json.loads(lines[-1])
+    assert metrics["train_examples"] + metrics["test_examples"] == 24  # 25 files, one skipped
+    assert metrics["steps"] == 2 * (metrics["train_examples"] // 4)
+    assert metrics["export_tflite_int8"] == "ram://run/export/tflite_int8.tflite"
+    assert all(exists.values()) and len(exists) == 7, exists
