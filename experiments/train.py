@@ -27,7 +27,7 @@ from ml_collections import config_flags
 import keras_vit
 from keras_vit import data as vit_data
 from keras_vit import export, training, visualize
-from keras_vit.distribute import STRATEGIES, get_strategy
+from keras_vit.distribute import STRATEGIES, get_strategy, is_chief
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "experiments/configs/digits.py", "Python config file; fields can be overridden."
@@ -191,6 +191,11 @@ def train_and_evaluate(config, workdir, strategy=None):
     `strategy` defaults to one device; the batch size in `config` is global.
     """
     strategy = strategy or get_strategy("one_device")
+    if not is_chief(strategy):
+        # Every worker runs the same program; only the chief writes the job's
+        # outputs, the others write theirs apart (Keras's BackupAndRestore
+        # handles its own files per worker).
+        workdir = os.path.join(workdir, "workers", str(strategy.cluster_resolver.task_id))
     exports = export_kinds(config)
     tf.io.gfile.makedirs(workdir)
     keras.utils.set_random_seed(config.seed)
