@@ -97,7 +97,10 @@ def load_data(config):
     if kind == "tfds" and rest:
         tfds_name, _, split = rest.partition(":")
         source = vit_data.load_tfds(
-            tfds_name, data_dir=config.get("data_dir") or None, train_split=split or "train"
+            tfds_name,
+            data_dir=config.get("data_dir") or None,
+            train_split=split or "train",
+            test_split=config.get("test_split") or None,
         )
     elif kind == "folder" and rest:
         source = vit_data.load_folder(rest, test_fraction=config.test_fraction, seed=config.seed)
@@ -148,7 +151,7 @@ def make_optimizer(config, steps_per_epoch):
         config.optimizer,
         config.learning_rate,
         total_steps,
-        min(config.warmup_epochs * steps_per_epoch, total_steps - 1),
+        min(config.get("warmup_steps") or config.warmup_epochs * steps_per_epoch, total_steps - 1),
         weight_decay=config.weight_decay,
         decay=config.get("decay", "cosine"),
         grad_clip_norm=config.grad_clip_norm,
@@ -169,16 +172,16 @@ def export_kinds(config):
 
 def export_model(model, kind, workdir, dataset):
     """Exports into workdir/export/; returns the path written."""
-    out = os.path.join(workdir, "export")
+    out = tf.io.gfile.join(workdir, "export")
     if kind == "saved_model":
         return export.export_saved_model(
-            model, os.path.join(out, "saved_model"), class_names=dataset.class_names, overwrite=True
+            model, tf.io.gfile.join(out, "saved_model"), class_names=dataset.class_names, overwrite=True
         )
     if kind == "onnx":
-        return export.export_onnx(model, os.path.join(out, "model.onnx"), overwrite=True)
+        return export.export_onnx(model, tf.io.gfile.join(out, "model.onnx"), overwrite=True)
     return export.export_tflite(
         model,
-        os.path.join(out, f"{kind}.tflite"),
+        tf.io.gfile.join(out, f"{kind}.tflite"),
         quantize=kind.partition("_")[2] or None,
         representative_data=dataset.calibration,  # Evaluation-pipeline images: unaugmented.
         overwrite=True,
@@ -195,11 +198,8 @@ def train_and_evaluate(config, workdir, strategy=None):
         # Every worker runs the same program; only the chief writes the job's
         # outputs, the others write theirs apart (Keras's BackupAndRestore
         # handles its own files per worker).
-        workdir = os.path.join(workdir, "workers", str(strategy.cluster_resolver.task_id))
+        workdir = tf.io.gfile.join(workdir, "workers", str(strategy.cluster_resolver.task_id))
     exports = export_kinds(config)
-    tf.io.gfile.makedirs(workdir)
-    keras.utils.set_random_seed(config.seed)
-    keras.mixed_precision.set_global_policy(config.precision)
 
     # === Data ===
     dataset = load_data(config)
@@ -216,6 +216,11 @@ def train_and_evaluate(config, workdir, strategy=None):
             f"config.num_classes={expected_classes} but the data set {config.dataset!r} has "
             f"{dataset.num_classes} classes."
         )
+
+    # Checks passed: from here on the run writes and trains.
+    tf.io.gfile.makedirs(workdir)
+    keras.utils.set_random_seed(config.seed)
+    keras.mixed_precision.set_global_policy(config.precision)
 
     # === Model, under the strategy's scope ===
     with strategy.scope():
@@ -248,22 +253,22 @@ def train_and_evaluate(config, workdir, strategy=None):
             # The state of an interrupted run: a killed run started again with the
             # same command resumes from here, losing at most `backup_every` steps.
             keras.callbacks.BackupAndRestore(
-                os.path.join(workdir, "backup"), save_freq=config.get("backup_every", "epoch")
+                tf.io.gfile.join(workdir, "backup"), save_freq=config.get("backup_every", "epoch")
             ),
             keras.callbacks.TerminateOnNaN(),
             keras.callbacks.ModelCheckpoint(
-                os.path.join(workdir, "best.keras"), monitor="val_accuracy", save_best_only=True
+                tf.io.gfile.join(workdir, "best.keras"), monitor="val_accuracy", save_best_only=True
             ),
-            training.CSVLog(os.path.join(workdir, "log.csv")),
-            keras.callbacks.TensorBoard(os.path.join(workdir, "tensorboard")),
+            training.CSVLog(tf.io.gfile.join(workdir, "log.csv")),
+            keras.callbacks.TensorBoard(tf.io.gfile.join(workdir, "tensorboard")),
             throughput,
         ],
-        verbose=2,
+        verbose=config.get("verbose", 2),  # 1: a progress bar, 2: a line per epoch (logs)
     )
 
     # === Evaluate and save ===
     test_loss, test_accuracy = model.evaluate(test_ds, verbose=0)
-    model_path = os.path.join(workdir, "model.keras")
+    model_path = tf.io.gfile.join(workdir, "model.keras")
     model.save(model_path)
     metrics = {
         "test_accuracy": float(test_accuracy),
@@ -280,15 +285,15 @@ def train_and_evaluate(config, workdir, strategy=None):
     # Did the position embeddings learn the grid structure of the paper's Figure 7?
     metrics.update(visualize.neighbour_similarity(visualize.position_embedding_similarity(model)))
     if config.visualize:
-        figures = os.path.join(workdir, "figures")
+        figures = tf.io.gfile.join(workdir, "figures")
         images = next(iter(test_ds.unbatch().batch(config.visualize_images)))[0].numpy()
         for i, image in enumerate(images):
             visualize.write_figures(model, image, figures, prefix=f"test{i}_")
     for kind in exports:
         metrics[f"export_{kind}"] = export_model(model, kind, workdir, dataset)
-    with tf.io.gfile.GFile(os.path.join(workdir, "metrics.json"), "w") as f:
+    with tf.io.gfile.GFile(tf.io.gfile.join(workdir, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
-    with tf.io.gfile.GFile(os.path.join(workdir, "history.json"), "w") as f:
+    with tf.io.gfile.GFile(tf.io.gfile.join(workdir, "history.json"), "w") as f:
         json.dump({k: [float(v) for v in vs] for k, vs in history.history.items()}, f, indent=2)
     return metrics
 
@@ -302,7 +307,8 @@ def main(argv):
     metrics = train_and_evaluate(_CONFIG.value, workdir, strategy)
     logging.info("Metrics: %s", metrics)
     print(json.dumps(metrics, indent=2))
-    print(f"Wrote the model, metrics.json and history.json to {os.path.abspath(workdir)}")
+    where = workdir if "://" in workdir else os.path.abspath(workdir)
+    print(f"Wrote the model, metrics.json and history.json to {where}")
 
 
 if __name__ == "__main__":
