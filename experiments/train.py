@@ -98,9 +98,9 @@ def load_data(config):
         tfds_name, _, split = rest.partition(":")
         source = vit_data.load_tfds(
             tfds_name,
-            data_dir=config.get("data_dir") or None,
+            data_dir=config.data_dir or None,
             train_split=split or "train",
-            test_split=config.get("test_split") or None,
+            test_split=config.test_split or None,
         )
     elif kind == "folder" and rest:
         source = vit_data.load_folder(rest, test_fraction=config.test_fraction, seed=config.seed)
@@ -108,13 +108,13 @@ def load_data(config):
         raise ValueError(
             f"Unknown dataset {name!r}. Expected 'digits', 'tfds:NAME[:SPLIT]' or 'folder:PATH'."
         )
-    augment = config.get("augment", {})
+    augment = config.augment
     pipeline = functools.partial(
         vit_data.image_pipeline,
         image_size=config.image_size,
         num_classes=source.num_classes,
-        crop_fraction=config.get("crop_fraction", 1.0),
-        cache=config.get("cache", False),
+        crop_fraction=config.crop_fraction,
+        cache=config.cache,
     )
     return Data(
         train=pipeline(
@@ -122,11 +122,11 @@ def load_data(config):
             batch_size=config.batch_size,
             training=True,
             seed=config.seed,
-            crop=augment.get("inception_crop", True),
-            flip=augment.get("flip", True),
-            randaugment=augment.get("randaugment"),
-            mixup_alpha=augment.get("mixup_alpha", 0.0),
-            cutmix_alpha=augment.get("cutmix_alpha", 0.0),
+            crop=augment.inception_crop,
+            flip=augment.flip,
+            randaugment=augment.randaugment,
+            mixup_alpha=augment.mixup_alpha,
+            cutmix_alpha=augment.cutmix_alpha,
         ),
         test=pipeline(source.test, batch_size=config.batch_size, training=False),
         calibration=pipeline(source.train, batch_size=1, training=False).map(lambda x, y: x[0]),
@@ -151,9 +151,9 @@ def make_optimizer(config, steps_per_epoch):
         config.optimizer,
         config.learning_rate,
         total_steps,
-        min(config.get("warmup_steps") or config.warmup_epochs * steps_per_epoch, total_steps - 1),
+        min(config.warmup_steps or config.warmup_epochs * steps_per_epoch, total_steps - 1),
         weight_decay=config.weight_decay,
-        decay=config.get("decay", "cosine"),
+        decay=config.decay,
         grad_clip_norm=config.grad_clip_norm,
     )
 
@@ -163,7 +163,7 @@ EXPORTS = ("saved_model", "tflite", "tflite_float16", "tflite_dynamic", "tflite_
 
 def export_kinds(config):
     """The exports asked for by config.export, checked before training starts."""
-    kinds = [kind.strip() for kind in config.get("export", "").split(",") if kind.strip()]
+    kinds = [kind.strip() for kind in config.export.split(",") if kind.strip()]
     unknown = [kind for kind in kinds if kind not in EXPORTS]
     if unknown:
         raise ValueError(f"Unknown export(s) {unknown} in config.export. Expected a subset of {list(EXPORTS)}.")
@@ -210,7 +210,7 @@ def train_and_evaluate(config, workdir, strategy=None):
             f"The training split has {dataset.num_train} examples, fewer than one batch of "
             f"{config.batch_size}."
         )
-    expected_classes = config.get("num_classes", 0)
+    expected_classes = config.num_classes
     if expected_classes and expected_classes != dataset.num_classes:
         raise ValueError(
             f"config.num_classes={expected_classes} but the data set {config.dataset!r} has "
@@ -225,12 +225,12 @@ def train_and_evaluate(config, workdir, strategy=None):
     # === Model, under the strategy's scope ===
     with strategy.scope():
         model = build_model(config, dataset.num_classes)
-        if config.get("pretrained"):
+        if config.pretrained:
             # An original .npz checkpoint; a head of another size stays zero for this task.
             keras_vit.load_pretrained(
-                model, config.pretrained, interpolation=config.get("interpolation", "bicubic")
+                model, config.pretrained, interpolation=config.interpolation
             )
-        if config.get("freeze_backbone"):
+        if config.freeze_backbone:
             keras_vit.freeze_backbone(model)  # A linear probe: only the head trains.
         model.compile(
             optimizer=make_optimizer(config, steps_per_epoch),
@@ -240,7 +240,7 @@ def train_and_evaluate(config, workdir, strategy=None):
             metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")],
             jit_compile=config.jit_compile,
             # Several steps per call: what keeps a TPU busy.
-            steps_per_execution=config.get("steps_per_execution", 1),
+            steps_per_execution=config.steps_per_execution,
         )
 
     # === Train ===
@@ -253,7 +253,7 @@ def train_and_evaluate(config, workdir, strategy=None):
             # The state of an interrupted run: a killed run started again with the
             # same command resumes from here, losing at most `backup_every` steps.
             keras.callbacks.BackupAndRestore(
-                tf.io.gfile.join(workdir, "backup"), save_freq=config.get("backup_every", "epoch")
+                tf.io.gfile.join(workdir, "backup"), save_freq=config.backup_every
             ),
             keras.callbacks.TerminateOnNaN(),
             keras.callbacks.ModelCheckpoint(
@@ -263,7 +263,7 @@ def train_and_evaluate(config, workdir, strategy=None):
             keras.callbacks.TensorBoard(tf.io.gfile.join(workdir, "tensorboard")),
             throughput,
         ],
-        verbose=config.get("verbose", 2),  # 1: a progress bar, 2: a line per epoch (logs)
+        verbose=config.verbose,  # 1: a progress bar, 2: a line per epoch (logs)
     )
 
     # === Evaluate and save ===

@@ -263,7 +263,7 @@ config = digits.get_config()
 config.dataset = "folder:{root}"
 config.image_size, config.batch_size, config.epochs, config.warmup_epochs = 16, 4, 2, 1
 config.model.patch_size = 4
-config.augment = {{"inception_crop": True, "flip": True, "randaugment": (2, 5), "mixup_alpha": 0.2}}
+config.augment.randaugment, config.augment.mixup_alpha = (2, 5), 0.2
 config.export = "tflite_int8"
 metrics = train.train_and_evaluate(config, "ram://run")
 print(json.dumps(metrics))

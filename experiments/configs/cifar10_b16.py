@@ -16,53 +16,26 @@ ImageNet-21k (paper Table 2 / REFERENCE).  CIFAR-10 must be prepared in
 data_dir beforehand (`tfds build cifar10`); nothing is downloaded here.
 """
 
-import ml_collections
+from experiments.configs import common
 
 
 def get_config():
-    config = ml_collections.ConfigDict()
-    config.seed = 0
+    config = common.get_base_config()
 
     config.dataset = "tfds:cifar10"
-    config.data_dir = ""
     config.test_split = "test"
     config.num_classes = 10
     config.image_size = 384
-    config.test_fraction = 0.2  # Unused: CIFAR-10 has its own test split.
-    config.crop_fraction = 1.0
-    config.cache = False
-    config.augment = ml_collections.ConfigDict(
-        {"inception_crop": True, "flip": True, "randaugment": None, "mixup_alpha": 0.0, "cutmix_alpha": 0.0}
-    )
-    config.max_shift = 0
 
-    config.model = ml_collections.ConfigDict()
     config.model.variant = "B/16"
-    config.model.classifier = "token"
-    config.model.dropout_rate = 0.0
-    config.model.attention_dropout_rate = 0.0
-    config.model.stochastic_depth_rate = 0.0
-
     config.pretrained = ""  # e.g. gs://vit_models/imagenet21k/ViT-B_16.npz
-    config.interpolation = "bicubic"
-    config.freeze_backbone = False
 
     config.batch_size = 512
     config.epochs = 102
     config.optimizer = "sgd"
     config.learning_rate = 0.03
-    config.weight_decay = 0.0
     config.warmup_steps = 500
-    config.warmup_epochs = 0
-    config.decay = "cosine"
-    config.grad_clip_norm = 1.0
-    config.label_smoothing = 0.0
 
-    config.steps_per_execution = 50  # TPUs need many steps per call to stay busy.
-    config.backup_every = "epoch"
+    config.steps_per_execution = 50
     config.precision = "mixed_bfloat16"
-    config.jit_compile = True
-    config.export = ""
-    config.visualize = False
-    config.visualize_images = 2
     return config

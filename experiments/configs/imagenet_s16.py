@@ -18,36 +18,22 @@ prepared in data_dir beforehand (`tfds build imagenet2012` with the manual
 download); nothing is downloaded here.
 """
 
-import ml_collections
+from experiments.configs import common
 
 
 def get_config():
-    config = ml_collections.ConfigDict()
-    config.seed = 0
+    config = common.get_base_config()
 
     config.dataset = "tfds:imagenet2012"
-    config.data_dir = ""
     config.test_split = "validation"
     config.num_classes = 1000
     config.image_size = 224
-    config.test_fraction = 0.2  # Unused: evaluation is on the validation split.
     config.crop_fraction = 0.875
-    config.cache = False
-    config.augment = ml_collections.ConfigDict(
-        {"inception_crop": True, "flip": True, "randaugment": (2, 10), "mixup_alpha": 0.2, "cutmix_alpha": 0.0}
-    )
-    config.max_shift = 0
+    config.augment.randaugment = (2, 10)
+    config.augment.mixup_alpha = 0.2
 
-    config.model = ml_collections.ConfigDict()
     config.model.variant = "S/16"
     config.model.classifier = "gap"
-    config.model.dropout_rate = 0.0
-    config.model.attention_dropout_rate = 0.0
-    config.model.stochastic_depth_rate = 0.0
-
-    config.pretrained = ""
-    config.interpolation = "bicubic"
-    config.freeze_backbone = False
 
     config.batch_size = 1024
     config.epochs = 90
@@ -55,16 +41,7 @@ def get_config():
     config.learning_rate = 1e-3
     config.weight_decay = 0.1  # = big_vision's 1e-4, see the docstring
     config.warmup_steps = 10_000
-    config.warmup_epochs = 0
-    config.decay = "cosine"
-    config.grad_clip_norm = 1.0
-    config.label_smoothing = 0.0
 
     config.steps_per_execution = 100
-    config.backup_every = "epoch"
     config.precision = "mixed_bfloat16"
-    config.jit_compile = True
-    config.export = ""
-    config.visualize = False
-    config.visualize_images = 2
     return config

@@ -1,0 +1,68 @@
+"""The fields every experiment config has, with their defaults; each config overrides what it needs.
+
+Every field the training job reads is here, so `--config.FIELD=VALUE` works
+for each of them with any config.
+"""
+
+import ml_collections
+
+
+def get_base_config():
+    config = ml_collections.ConfigDict()
+    config.seed = 0
+
+    # === Data ===
+    config.dataset = "digits"  # "digits", "tfds:NAME[:SPLIT]" or "folder:PATH"
+    config.data_dir = ""  # TFDS data_dir, local or gs://
+    config.test_split = ""  # TFDS evaluation split; default "test", else "validation"
+    config.num_classes = 0  # If set, must equal the data set's class count.
+    config.image_size = 224
+    config.test_fraction = 0.2  # Held-out share when a data set has no test split.
+    config.crop_fraction = 1.0  # Evaluation: the central fraction kept.
+    config.cache = False
+    config.max_shift = 0  # digits only: random translation in pixels.
+    config.augment = ml_collections.ConfigDict(
+        {"inception_crop": True, "flip": True, "randaugment": None, "mixup_alpha": 0.0, "cutmix_alpha": 0.0}
+    )
+
+    # === Model: build_vit's arguments ===
+    config.model = ml_collections.ConfigDict()
+    config.model.variant = "B/16"
+    config.model.classifier = "token"
+    config.model.dropout_rate = 0.0
+    config.model.attention_dropout_rate = 0.0
+    config.model.stochastic_depth_rate = 0.0
+
+    # Transfer learning: an original-format .npz (local or gs://) to start from,
+    # and whether to train the head alone.
+    config.pretrained = ""
+    config.interpolation = "bicubic"
+    config.freeze_backbone = False
+
+    # === Optimisation (keras_vit.training) ===
+    config.batch_size = 512  # Global, over all replicas.
+    config.epochs = 10
+    config.optimizer = "adamw"  # or "sgd"
+    config.learning_rate = 1e-3
+    config.weight_decay = 0.0
+    config.warmup_epochs = 0
+    config.warmup_steps = 0  # Wins over warmup_epochs when set.
+    config.decay = "cosine"  # or "linear"
+    config.grad_clip_norm = 1.0
+    config.label_smoothing = 0.0
+
+    # === Execution ===
+    config.steps_per_execution = 1  # > 1 keeps TPUs busy.
+    config.backup_every = "epoch"  # BackupAndRestore: "epoch" or a number of steps.
+    config.precision = "float32"  # or "mixed_bfloat16", "mixed_float16".
+    config.jit_compile = True
+    config.verbose = 2  # 1: progress bar, 2: a line per epoch.
+
+    # === At the end ===
+    # Exports into workdir/export, comma separated: saved_model, tflite,
+    # tflite_float16, tflite_dynamic, tflite_int8, onnx.
+    config.export = ""
+    # Figures of keras_vit.visualize for the first few test images, in workdir/figures.
+    config.visualize = False
+    config.visualize_images = 2
+    return config
