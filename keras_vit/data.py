@@ -135,7 +135,8 @@ def make_pipeline(split, batch_size, *, training, num_classes=None, seed=0, max_
 # === Image data sets: TFDS and folders ===
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp")
-_MAGIC = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"BM")
+# The first bytes of each format tf.io.decode_image reads.
+IMAGE_MAGIC = {"JPEG": b"\xff\xd8\xff", "PNG": b"\x89PNG", "GIF": b"GIF8", "BMP": b"BM"}
 
 
 @dataclasses.dataclass
@@ -164,7 +165,7 @@ def _is_image_file(path):
             head = f.read(8)
     except tf.errors.OpError:
         return False
-    return any(head.startswith(magic) for magic in _MAGIC)
+    return any(head.startswith(magic) for magic in IMAGE_MAGIC.values())
 
 
 def _list_class_folders(root):

@@ -22,15 +22,9 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
-from keras_vit.data import center_crop_resize
+from keras_vit.data import IMAGE_MAGIC, center_crop_resize
 
 QUANTIZATIONS = (None, "float16", "dynamic", "int8")
-SUPPORTED_IMAGE_MAGIC = {
-    "JPEG": b"\xff\xd8\xff",
-    "PNG": b"\x89PNG",
-    "GIF": b"GIF8",
-    "BMP": b"BM",
-}
 
 
 class ExportError(RuntimeError):
@@ -75,7 +69,7 @@ def _decode(encoded, height, width, channels, crop_fraction):
     """One encoded image -> uint8 (height, width, channels), with a clear error for non-images."""
     header = tf.strings.substr(encoded, 0, 4)
     known = tf.reduce_any(
-        [tf.equal(tf.strings.substr(encoded, 0, len(magic)), magic) for magic in SUPPORTED_IMAGE_MAGIC.values()]
+        [tf.equal(tf.strings.substr(encoded, 0, len(magic)), magic) for magic in IMAGE_MAGIC.values()]
     )
     check = tf.debugging.Assert(
         known,
