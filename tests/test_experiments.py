@@ -2,7 +2,6 @@
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -13,28 +12,13 @@ import tensorflow as tf
 
 import keras_vit
 from keras_vit import data as vit_data
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def run_module(module, *args, timeout=900):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    result = subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+from tests.conftest import ROOT, run_module
 
 
-def test_main_job_with_defaults_reaches_97_percent(tmp_path):
+
+def test_main_job_with_defaults_reaches_97_percent(digits_main_job):
     """The README's main command, defaults unchanged."""
-    workdir = tmp_path / "digits"
-    stdout = run_module("experiments.train", f"--workdir={workdir}")
+    workdir, stdout = digits_main_job
     assert str(workdir) in stdout
     metrics = json.loads((workdir / "metrics.json").read_text())
     assert metrics["test_accuracy"] >= 0.97, metrics

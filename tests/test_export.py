@@ -33,15 +33,11 @@ def serve(kind, artefact, tmp_path, **inputs):
 
 
 @pytest.fixture(scope="module")
-def digits_run(tmp_path_factory):
-    """A model trained briefly on digits with the default config, and its data."""
-    config = digits.get_config()
-    config.epochs = 12
-    config.visualize = False
-    workdir = tmp_path_factory.mktemp("digits")
-    train.train_and_evaluate(config, str(workdir))
+def digits_run(digits_main_job):
+    """The model trained by the main job (digits defaults), and its data."""
+    workdir, _ = digits_main_job
     model = keras.saving.load_model(workdir / "model.keras")
-    dataset = vit_data.load_digits(image_size=config.image_size)
+    dataset = vit_data.load_digits(image_size=digits.get_config().image_size)
     return model, dataset
 
 
