@@ -66,6 +66,10 @@ _BIG_VISION_BLOCK = {
 }
 _RESNET_KEY = re.compile(r"^(conv_root|gn_root|block\d+/unit\d+/(conv|gn)(\d|_proj))/(kernel|scale|bias)$")
 _NORM_PARAM = {"scale": "gamma", "bias": "beta"}
+# The same tables read from our side: model weight path -> checkpoint key.
+_TOP_LEVEL_BY_PATH = {ours: theirs for theirs, ours in _TOP_LEVEL.items()}
+_BLOCK_BY_PATH = {ours: theirs for theirs, ours in _BLOCK.items()}
+_NORM_PARAM_BY_PATH = {ours: theirs for theirs, ours in _NORM_PARAM.items()}
 
 
 class CheckpointError(ValueError):
@@ -332,12 +336,12 @@ def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicub
                 kernel = take(f"{attention}/out/kernel")
                 value = kernel.reshape(-1, kernel.shape[-1])
             else:
-                theirs = {v: k for k, v in _BLOCK.items()}.get(rest)
+                theirs = _BLOCK_BY_PATH.get(rest)
                 if theirs is None:
                     raise CheckpointError(f"No checkpoint key is known for the model weight {path!r}.")
                 value = take(prefix + theirs)
         else:
-            theirs = {v: k for k, v in _TOP_LEVEL.items()}.get(path)
+            theirs = _TOP_LEVEL_BY_PATH.get(path)
             if theirs is None:
                 raise CheckpointError(f"No checkpoint key is known for the model weight {path!r}.")
             if path.startswith("head/") and theirs not in params:
@@ -397,14 +401,12 @@ def to_checkpoint(weights, num_heads):
     `num_heads` splits the fused attention kernels into (D, heads, head_dim).
     """
     params = {}
-    ours_to_top = {v: k for k, v in _TOP_LEVEL.items()}
-    ours_to_block = {v: k for k, v in _BLOCK.items()}
     for path, value in weights.items():
         block = re.match(r"^encoderblock_(\d+)/(.+)$", path)
         if path.startswith("resnet/"):
             layer, param = path[len("resnet/") :].rsplit("/", 1)
             if layer.split("/")[-1].startswith("gn"):
-                param = {v: k for k, v in _NORM_PARAM.items()}[param]
+                param = _NORM_PARAM_BY_PATH[param]
             params[layer.replace("_unit", "/unit") + "/" + param] = value
         elif block:
             prefix, rest = f"Transformer/encoderblock_{block.group(1)}/", block.group(2)
@@ -420,9 +422,9 @@ def to_checkpoint(weights, num_heads):
             elif rest == "attention/output_kernel":
                 params[f"{attention}/out/kernel"] = value.reshape(heads, -1, value.shape[-1])
             else:
-                params[prefix + ours_to_block[rest]] = value
+                params[prefix + _BLOCK_BY_PATH[rest]] = value
         else:
-            params[ours_to_top[path]] = value
+            params[_TOP_LEVEL_BY_PATH[path]] = value
     return params
 
 

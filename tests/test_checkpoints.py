@@ -3,7 +3,6 @@ import io
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_vit
 from keras_vit import checkpoints

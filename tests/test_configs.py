@@ -5,7 +5,6 @@ import importlib
 import keras
 import pytest
 
-import keras_vit
 from experiments import train
 
 CONFIGS = {
