@@ -79,6 +79,35 @@ def exact_gelu(x):
     return 0.5 * x * (1.0 + ops.erf(x * ops.cast(1.0 / math.sqrt(2.0), x.dtype)))
 
 
+def bias_add(x, bias):
+    """`x + bias` over the last axis.
+
+    On TensorFlow this is `tf.nn.bias_add` (a BiasAdd op): TensorFlow's
+    graph optimiser fuses MatMul + BiasAdd + GELU into one oneDNN kernel, while
+    MatMul + AddV2 only gets the bias fused and leaves the GELU as four
+    element-wise passes over the activations. Other backends add.
+    """
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.nn.bias_add(x, bias)
+    return ops.add(x, bias)
+
+
+def dense(x, kernel, bias, gelu=False):
+    """`x @ kernel + bias` (then exact GELU) on the last axis of x.
+
+    The leading axes are flattened first so that the matmul, the bias and the
+    GELU see a 2-D matrix: the form that oneDNN fuses into one kernel (see
+    `bias_add`). The same numbers as a `keras.layers.Dense`.
+    """
+    shape = x.shape
+    y = bias_add(ops.matmul(ops.reshape(x, (-1, shape[-1])), kernel), bias)
+    if gelu:
+        y = exact_gelu(y)
+    return ops.reshape(y, (-1, *shape[1:-1], kernel.shape[-1]))
+
+
 # === Layers ===
 
 
@@ -278,8 +307,8 @@ class MultiHeadSelfAttention(keras.layers.Layer):
     def call(self, inputs, training=None, return_attention_scores=False):
         tokens, hidden = inputs.shape[1], inputs.shape[2]
         heads, head_dim = self.num_heads, self.head_dim
-        qkv = ops.matmul(inputs, ops.cast(self.qkv_kernel, self.compute_dtype))
-        qkv = qkv + ops.cast(self.qkv_bias, self.compute_dtype)
+        dtype = self.compute_dtype
+        qkv = dense(inputs, ops.cast(self.qkv_kernel, dtype), ops.cast(self.qkv_bias, dtype))
         qkv = ops.reshape(qkv, (-1, tokens, 3, heads, head_dim))
         qkv = ops.transpose(qkv, (2, 0, 3, 1, 4))  # (3, batch, heads, tokens, head_dim)
         query, key, value = qkv[0], qkv[1], qkv[2]
@@ -292,8 +321,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
             self.attention_dropout(ops.cast(probs, self.compute_dtype), training=training), value
         )
         attended = ops.reshape(ops.transpose(attended, (0, 2, 1, 3)), (-1, tokens, hidden))
-        outputs = ops.matmul(attended, ops.cast(self.output_kernel, self.compute_dtype))
-        outputs = outputs + ops.cast(self.output_bias, self.compute_dtype)
+        outputs = dense(attended, ops.cast(self.output_kernel, dtype), ops.cast(self.output_bias, dtype))
         if return_attention_scores:
             return outputs, probs
         return outputs
@@ -398,6 +426,10 @@ class TransformerBlock(keras.layers.Layer):
         mask = ops.cast(noise < keep, x.dtype) / ops.cast(keep, x.dtype)
         return x * mask
 
+    def _mlp_dense(self, layer, x, gelu=False):
+        dtype = self.compute_dtype
+        return dense(x, ops.cast(layer.kernel, dtype), ops.cast(layer.bias, dtype), gelu=gelu)
+
     def call(self, inputs, training=None, return_attention_scores=False):
         attended = self.attention(
             self.attention_norm(inputs),
@@ -407,9 +439,11 @@ class TransformerBlock(keras.layers.Layer):
         if return_attention_scores:
             attended, scores = attended
         x = inputs + self._drop_path(self.dropout(attended, training=training), training)
-        y = self.mlp_dense_1(self.mlp_norm(x))
-        y = self.dropout(exact_gelu(y), training=training)
-        y = self.dropout(self.mlp_dense_2(y), training=training)
+        # The MLP's Dense layers hold the weights; `dense` computes them in
+        # the form oneDNN fuses (matmul + bias + GELU in one kernel).
+        y = self._mlp_dense(self.mlp_dense_1, self.mlp_norm(x), gelu=True)
+        y = self.dropout(y, training=training)
+        y = self.dropout(self._mlp_dense(self.mlp_dense_2, y), training=training)
         outputs = x + self._drop_path(y, training)
         if return_attention_scores:
             return outputs, scores

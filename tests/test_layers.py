@@ -143,3 +143,89 @@ def test_layer_build_errors():
         vit_layers.PatchEncoder(8, 4)(np.zeros((1, 10, 12, 3), "float32"))
     with pytest.raises(ValueError, match=r"divisible by `num_heads`.*num_heads=3"):
         vit_layers.MultiHeadSelfAttention(3)(np.zeros((1, 4, 8), "float32"))
+
+
+def _straightforward_block(block, hidden):
+    """The same block from Keras core layers: separate Q/K/V projections, Dense, exact GELU."""
+    heads = block.num_heads
+    head_dim = hidden // heads
+    ln1 = keras.layers.LayerNormalization(epsilon=block.layer_norm_epsilon)
+    ln2 = keras.layers.LayerNormalization(epsilon=block.layer_norm_epsilon)
+    mha = keras.layers.MultiHeadAttention(heads, head_dim)
+    dense1 = keras.layers.Dense(block.mlp_dim, activation=lambda x: keras.activations.gelu(x, approximate=False))
+    dense2 = keras.layers.Dense(hidden)
+    probe = keras.ops.zeros((1, 3, hidden))
+    ln1(probe), ln2(probe), mha(probe, probe), dense2(dense1(probe))
+    ln1.set_weights(block.attention_norm.get_weights())
+    ln2.set_weights(block.mlp_norm.get_weights())
+    dense1.set_weights(block.mlp_dense_1.get_weights())
+    dense2.set_weights(block.mlp_dense_2.get_weights())
+    attention = block.attention
+    kernel, bias = attention.qkv_kernel.numpy(), attention.qkv_bias.numpy()
+    for i, dense in enumerate((mha._query_dense, mha._key_dense, mha._value_dense)):
+        dense.kernel.assign(kernel[:, i * hidden : (i + 1) * hidden].reshape(hidden, heads, head_dim))
+        dense.bias.assign(bias[i * hidden : (i + 1) * hidden].reshape(heads, head_dim))
+    mha._output_dense.kernel.assign(attention.output_kernel.numpy().reshape(heads, head_dim, hidden))
+    mha._output_dense.bias.assign(attention.output_bias.numpy())
+
+    def call(x):
+        y = ln1(x)
+        x = x + mha(y, y)
+        return x + dense2(dense1(ln2(x)))
+
+    return call
+
+
+@pytest.mark.parametrize("hidden, heads, mlp_dim, tokens", [(32, 4, 64, 17), (48, 3, 96, 50)])
+def test_transformer_block_matches_the_straightforward_formulation(hidden, heads, mlp_dim, tokens):
+    """The optimised block (one QKV matmul, 2-D matmuls with BiasAdd that oneDNN fuses with the
+    GELU) gives the numbers of the textbook one built from Keras core layers, eager and in a
+    graph (where TensorFlow's optimiser fuses)."""
+    import tensorflow as tf
+
+    block = vit_layers.TransformerBlock(num_heads=heads, mlp_dim=mlp_dim)
+    block.build((None, tokens, hidden))
+    rng = np.random.default_rng(0)
+    for weight in block.weights:
+        weight.assign(rng.normal(0.0, 0.2, weight.shape) + (weight.name == "gamma"))
+    reference = _straightforward_block(block, hidden)
+    x = rng.normal(0.0, 1.0, (3, tokens, hidden)).astype("float32")
+    expected = keras.ops.convert_to_numpy(reference(x))
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(block(x)), expected, rtol=1e-5, atol=1e-5)
+    graph = tf.function(lambda x: block(x))
+    np.testing.assert_allclose(graph(x).numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tensorflow_fuses_the_mlp_matmul_bias_and_gelu():
+    """What makes the block fast on a CPU: no separate Erf/GELU op is left in the optimised graph."""
+    import tensorflow as tf
+    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
+    from tensorflow.python.util import _pywrap_util_port
+
+    if not _pywrap_util_port.IsMklEnabled():
+        pytest.skip("TensorFlow built without oneDNN")
+    block = vit_layers.TransformerBlock(num_heads=2, mlp_dim=32)
+    block.build((None, 9, 16))
+    for weight in block.weights:  # Zero biases would be folded away before fusion.
+        weight.assign(np.random.default_rng(0).normal(0.0, 0.2, weight.shape))
+    function = tf.function(lambda x: block(x)).get_concrete_function(tf.TensorSpec((2, 9, 16)))
+    frozen = convert_variables_to_constants_v2(function)
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.import_graph_def(frozen.graph.as_graph_def(), name="")
+    metadata = tf.compat.v1.RunMetadata()
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(
+            frozen.outputs[0].name,
+            {frozen.inputs[0].name: np.ones((2, 9, 16), "float32")},
+            options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+            run_metadata=metadata,
+        )
+    ops = [
+        node.timeline_label.split(" = ")[1].split("(")[0]
+        for device in metadata.step_stats.dev_stats
+        for node in device.node_stats
+        if " = " in node.timeline_label
+    ]
+    assert ops.count("_MklNativeFusedMatMul") == 4, ops  # QKV, attention output, MLP 1 and 2
+    assert "Erf" not in ops and "BiasAdd" not in ops, ops
