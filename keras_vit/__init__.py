@@ -19,6 +19,7 @@ from keras_vit.model import build_vit
 from keras_vit.resnet import BottleneckUnit, ResNetStem, StandardizedConv2D
 # Registers the optimizers and schedules that trained models save with them.
 from keras_vit import training  # noqa: F401
+from keras_vit import flops  # noqa: F401
 from keras_vit.variants import HYBRIDS, MODEL_SIZES, VARIANTS, ViTConfig, parse_variant
 
 __version__ = "0.1.0"
