@@ -238,7 +238,7 @@ def train_and_evaluate(config, workdir, strategy=None):
                 from_logits=True, label_smoothing=config.label_smoothing
             ),
             metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")],
-            jit_compile=config.jit_compile,
+            jit_compile=keras_vit.training.resolve_jit_compile(config.jit_compile, config.precision),
             # Several steps per call: what keeps a TPU busy.
             steps_per_execution=config.steps_per_execution,
         )

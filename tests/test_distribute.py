@@ -21,7 +21,7 @@ from experiments.configs import digits
 from keras_vit.distribute import get_strategy
 strategy = get_strategy("multi_worker")
 config = digits.get_config()
-config.epochs, config.visualize, config.jit_compile = 1, False, False
+config.epochs, config.visualize, config.jit_compile = 1, False, "off"
 config.model.num_layers = 1
 metrics = train.train_and_evaluate(config, sys.argv[1], strategy)
 print("METRICS " + json.dumps(metrics))

@@ -82,3 +82,16 @@ def test_recipes_and_their_errors(tmp_path):
     restored = keras.saving.load_model(tmp_path / "m.keras")
     assert isinstance(restored.optimizer, training.AdamW)
     assert isinstance(restored.optimizer._learning_rate, training.WarmupLinearDecay)  # the schedule itself
+
+
+def test_resolve_jit_compile():
+    from keras_vit.training import resolve_jit_compile
+
+    assert resolve_jit_compile("on") is True and resolve_jit_compile("off") is False
+    assert resolve_jit_compile(True) is True and resolve_jit_compile(False) is False
+    # On a CPU with TensorFlow: XLA for float32, oneDNN (no XLA) for the 16-bit policies.
+    assert resolve_jit_compile("auto", "float32") is True
+    assert resolve_jit_compile("auto", "mixed_bfloat16") is False
+    assert resolve_jit_compile("auto", "mixed_float16") is False
+    with pytest.raises(ValueError, match=r"one of \('auto', 'on', 'off'\).*Received: jit_compile='yes'"):
+        resolve_jit_compile("yes")

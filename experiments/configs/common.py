@@ -55,7 +55,7 @@ def get_base_config():
     config.steps_per_execution = 1  # > 1 keeps TPUs busy.
     config.backup_every = "epoch"  # BackupAndRestore: "epoch" or a number of steps.
     config.precision = "float32"  # or "mixed_bfloat16", "mixed_float16".
-    config.jit_compile = True
+    config.jit_compile = "auto"  # "on", "off"; see keras_vit.training.resolve_jit_compile.
     config.verbose = 2  # 1: progress bar, 2: a line per epoch.
 
     # === At the end ===
