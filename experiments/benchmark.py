@@ -1,7 +1,28 @@
 r"""Benchmarks of keras_vit on this machine.
 
+    python -m experiments.benchmark --mode=infer --variant=B/16 --image_size=224 --batch_size=16 \
+        --precision=float32 --jit=auto --compare=keras_hub,timm
+    python -m experiments.benchmark --mode=train --variant=S/16
+    python -m experiments.benchmark --mode=profile --variant=B/16
     python -m experiments.benchmark --mode=patch_projection --variant=B/16 --batch_size=16
     python -m experiments.benchmark --mode=serving --variant=Ti/16 --image_size=224
+
+`infer` / `train`: images per second of Keras `predict` (inference) or of
+`fit` steps (training: AdamW, sparse cross-entropy) on in-memory data, after a
+warm-up call, as the median over --repeats repetitions of --steps batches each;
+the implementations take turns within every repetition so that they share the
+machine's state. For each it prints the model's FLOPs per image
+(`keras_vit.flops`; 3x forward for a training step), the achieved FLOP/s and
+their fraction of the matmul peak: a 2048^3 matmul at the same precision
+timed in the same repetitions, with and without XLA, the faster counting.
+With --compare, the same architecture from keras-hub (with and without XLA;
+ours is compared with its faster) and timm (PyTorch eager, in a child
+process) is measured too, with the ratios ours / peer. The peers are the
+optional `bench` extra.
+
+`profile`: where an inference batch's time goes without XLA, per TensorFlow op
+type (oneDNN's fused matmuls, batched matmuls of the attention, element-wise
+ops), with the achieved FLOP/s of the whole batch.
 
 `patch_projection`: the patch embedding as a strided conv versus patch cutting
 plus one matmul (`PatchEncoder(projection=...)`), same weights, with and
@@ -15,9 +36,9 @@ as many threads as cores), with each one's ratio to the Keras model.
 """
 
 import os
-import tempfile
-
+import platform
 import statistics
+import tempfile
 import time
 
 import keras
@@ -27,11 +48,24 @@ from absl import app, flags
 
 import keras_vit
 
-_MODE = flags.DEFINE_enum("mode", "patch_projection", ["patch_projection", "serving"], "What to measure.")
+_MODE = flags.DEFINE_enum(
+    "mode", "infer", ["infer", "train", "profile", "patch_projection", "serving"], "What to measure."
+)
 _VARIANT = flags.DEFINE_string("variant", "B/16", "ViT variant, e.g. B/16.")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "Square image size in pixels.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Images per batch.")
-_REPEATS = flags.DEFINE_integer("repeats", 30, "Timed repetitions per configuration.")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", None, "Timed repetitions (default: 5 for infer/train, 30 for the others)."
+)
+_STEPS = flags.DEFINE_integer("steps", 2, "infer/train: batches per timed repetition.")
+_PRECISION = flags.DEFINE_enum(
+    "precision", "float32", ["float32", "mixed_bfloat16"], "infer/train: Keras dtype policy."
+)
+_JIT = flags.DEFINE_enum(
+    "jit", "auto", list(keras_vit.training.JIT_COMPILE), "infer/train: XLA for keras_vit."
+)
+_COMPARE = flags.DEFINE_list("compare", [], "infer/train: peers to measure, of keras_hub,timm.")
+PEERS = ("keras_hub", "timm")
 
 
 def time_calls(functions, inputs, repeats):
@@ -122,13 +156,242 @@ def serving(variant, image_size, repeats):
         print(f"  {name:18s} {sizes[name] / 2**20:10.2f} {1000 * seconds:12.2f} {base / seconds:8.2f}x")
 
 
+# === infer / train ===
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _square(a):
+    return a @ a
+
+
+def matmul_peak_functions(dtype, size=2048):
+    """{name: (function, its input)} each running one size^3 matmul at `dtype`; FLOPs per call."""
+    if keras.backend.backend() == "tensorflow":
+        a = tf.cast(tf.random.stateless_normal((size, size), seed=(0, 0)), dtype)
+        functions = {
+            f"matmul {'XLA' if jit else 'no XLA'}": (
+                tf.function(_square, jit_compile=jit, autograph=False),
+                a,
+            )
+            for jit in (False, True)
+        }
+    else:  # JAX compiles everything with XLA.
+        import jax
+
+        a = jax.numpy.asarray(np.random.default_rng(0).normal(size=(size, size)), dtype)
+        functions = {"matmul XLA": (jax.jit(_square), a)}
+    return functions, 2 * size**3
+
+
+def timed(function, argument):
+    start = time.perf_counter()
+    keras.ops.convert_to_numpy(function(argument))
+    return time.perf_counter() - start
+
+
+def keras_contender(model, mode, images, labels, batch_size, jit_compile):
+    """A function (steps -> seconds) running `predict` or `fit` on `steps` batches.
+
+    The batches come from a tf.data pipeline over tensors already in memory,
+    the input a TensorFlow user gives `fit`; NumPy arrays would add Keras'
+    per-call array slicing pipeline (~40 ms) to every call.
+    """
+    if mode == "train":
+        model.compile(
+            optimizer=keras.optimizers.AdamW(1e-4),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=jit_compile,
+        )
+        data = tf.data.Dataset.from_tensor_slices((tf.constant(images), tf.constant(labels)))
+    else:
+        model.compile(jit_compile=jit_compile)
+        data = tf.data.Dataset.from_tensor_slices(tf.constant(images))
+    data = data.batch(batch_size, drop_remainder=True)
+
+    def run(steps):
+        start = time.perf_counter()
+        if mode == "train":
+            model.fit(data.take(steps), epochs=1, verbose=0)
+        else:
+            model.predict(data.take(steps), verbose=0)
+        return time.perf_counter() - start
+
+    return run
+
+
+def throughput(variant, image_size, batch_size, mode, precision, jit, compare, repeats, steps):
+    """Measures and prints images/s, FLOP/s and ratios; returns {name: images/s}."""
+    from experiments import peers
+
+    unknown = sorted(set(compare) - set(PEERS))
+    if unknown:
+        raise SystemExit(f"--compare takes a subset of {list(PEERS)}. Received: {unknown}")
+    num_classes = 1000
+    config = keras_vit.parse_variant(variant)
+    flops = keras_vit.flops.count_flops(
+        variant, image_size=image_size, num_classes=num_classes, training=mode == "train"
+    )
+    keras.mixed_precision.set_dtype_policy(precision)
+    jit_compile = keras_vit.training.resolve_jit_compile(jit, precision, training=mode == "train")
+    rng = np.random.default_rng(0)
+    images = rng.uniform(0, 255, (steps * batch_size, image_size, image_size, 3)).astype("float32")
+    labels = rng.integers(0, num_classes, steps * batch_size)
+
+    # === Contenders: name -> (steps -> seconds), parameter count ===
+    ours = keras_vit.build_vit(variant, image_size=image_size, num_classes=num_classes)
+    xla = "XLA" if jit_compile else "no XLA"
+    contenders = {
+        f"keras_vit ({xla})": (
+            keras_contender(ours, mode, images, labels, batch_size, jit_compile),
+            ours.count_params(),
+        )
+    }
+    workers = []
+    if "keras_hub" in compare:
+        for hub_jit in (False, True):
+            hub = peers.keras_hub_model(config, image_size, num_classes, precision)
+            contenders[f"keras_hub ({'XLA' if hub_jit else 'no XLA'})"] = (
+                keras_contender(hub, mode, images, labels, batch_size, hub_jit),
+                hub.count_params(),
+            )
+    if "timm" in compare:
+        worker = peers.TimmWorker(config, image_size, batch_size, num_classes, mode, precision)
+        workers.append(worker)
+        contenders["timm (PyTorch eager)"] = (worker, worker.parameters)
+    dtype = "bfloat16" if precision == "mixed_bfloat16" else "float32"
+    matmuls, matmul_flops = matmul_peak_functions(dtype)
+
+    # === Warm-up (compilation), then interleaved repetitions ===
+    try:
+        for run, _ in contenders.values():
+            run(1)
+        for function, argument in matmuls.values():
+            for _ in range(3):
+                timed(function, argument)
+        rates = {name: [] for name in contenders}
+        peaks = {name: [] for name in matmuls}
+        for _ in range(repeats):
+            for name, (function, argument) in matmuls.items():
+                peaks[name].append(matmul_flops / min(timed(function, argument) for _ in range(3)))
+            for name, (run, _) in contenders.items():
+                rates[name].append(steps * batch_size / run(steps))
+    finally:
+        for worker in workers:
+            worker.close()
+    peak_by_kind = {name: statistics.median(values) for name, values in peaks.items()}
+    peak = max(peak_by_kind.values())
+    median = {name: statistics.median(values) for name, values in rates.items()}
+
+    # === Report ===
+    what = "training steps (fit, AdamW)" if mode == "train" else "inference (predict)"
+    print(
+        f"{variant} {what} at {image_size} px, batch {batch_size}, {precision}, "
+        f"--jit={jit} ({xla} for keras_vit), backend {keras.backend.backend()}"
+    )
+    print(
+        f"Machine: {cpu_name()}, {os.cpu_count()} cores. Median of {repeats} interleaved "
+        f"repetitions of {steps} batches each, after a warm-up."
+    )
+    print(
+        f"Model FLOPs per image: {flops / 1e9:.6f} G ({'3x forward' if mode == 'train' else 'forward'}; "
+        f"matmuls and convolutions, multiply-add = 2)"
+    )
+    print(
+        f"Matmul peak ({dtype} 2048^3): "
+        + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peak_by_kind.items())
+        + f"; roofline {peak / 1e9:.0f} GFLOP/s"
+    )
+    ours_name = next(iter(contenders))
+    print(f"  {'implementation':24s} {'params':>11s} {'images/s':>9s} {'GFLOP/s':>8s} {'of peak':>8s} {'ours/this':>9s}")
+    for name, rate in median.items():
+        print(
+            f"  {name:24s} {contenders[name][1]:11,d} {rate:9.2f} {rate * flops / 1e9:8.1f} "
+            f"{100 * rate * flops / peak:7.1f}% {median[ours_name] / rate:8.2f}x"
+        )
+    for peer in compare:
+        best = max((rate, name) for name, rate in median.items() if name.startswith(peer))
+        print(f"keras_vit / {peer}: {median[ours_name] / best[0]:.2f}x (against {best[1]}, its faster)")
+    return median
+
+
+# === profile ===
+
+
+def profile(variant, image_size, batch_size, precision, repeats):
+    """Time per TensorFlow op type of one inference batch, as oneDNN runs it (no XLA).
+
+    The graph is frozen (weights as constants) and run by a TensorFlow session
+    with tracing, the way TensorFlow's own step statistics are collected.
+    Returns {op type: seconds}.
+    """
+    import collections
+
+    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
+
+    keras.mixed_precision.set_dtype_policy(precision)
+    model = keras_vit.build_vit(variant, image_size=image_size, num_classes=1000)
+    rng = np.random.default_rng(0)
+    for weight in model.weights:  # Zero biases would be constant-folded away.
+        weight.assign(rng.normal(0.0, 0.02, weight.shape).astype(weight.dtype))
+    spec = tf.TensorSpec((batch_size, image_size, image_size, 3), tf.float32)
+    frozen = convert_variables_to_constants_v2(
+        tf.function(lambda x: model(x, training=False)).get_concrete_function(spec)
+    )
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.import_graph_def(frozen.graph.as_graph_def(), name="")
+    feed = {frozen.inputs[0].name: rng.uniform(0, 255, spec.shape).astype("float32")}
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    seconds = collections.Counter()
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(frozen.outputs[0].name, feed)  # warm-up
+        for _ in range(repeats):
+            metadata = tf.compat.v1.RunMetadata()
+            session.run(frozen.outputs[0].name, feed, options=options, run_metadata=metadata)
+            for device in metadata.step_stats.dev_stats:
+                for node in device.node_stats:
+                    if " = " in node.timeline_label:
+                        op = node.timeline_label.split(" = ")[1].split("(")[0]
+                        seconds[op] += (node.op_end_rel_micros - node.op_start_rel_micros) / 1e6 / repeats
+    total = sum(seconds.values())
+    flops = keras_vit.flops.count_flops(variant, image_size=image_size) * batch_size
+    print(
+        f"{variant} inference at {image_size} px, batch {batch_size}, {precision}, no XLA: time per op "
+        f"type, mean of {repeats} traced runs; {total:.3f} s of op time per batch, "
+        f"{flops / total / 1e9:.0f} GFLOP/s"
+    )
+    for op, value in seconds.most_common():
+        if value >= 0.001 * total:
+            print(f"  {op:28s} {1000 * value:9.1f} ms {100 * value / total:6.1f}%")
+    return seconds
+
+
 def main(argv):
     del argv
     keras.utils.set_random_seed(0)
-    if _MODE.value == "patch_projection":
-        patch_projection(_VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, _REPEATS.value)
-    elif _MODE.value == "serving":
-        serving(_VARIANT.value, _IMAGE_SIZE.value, _REPEATS.value)
+    mode = _MODE.value
+    repeats = _REPEATS.value or (5 if mode in ("infer", "train", "profile") else 30)
+    if mode in ("infer", "train"):
+        throughput(
+            _VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, mode, _PRECISION.value,
+            _JIT.value, _COMPARE.value, repeats, _STEPS.value,
+        )  # fmt: skip
+    elif mode == "profile":
+        profile(_VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, _PRECISION.value, repeats)
+    elif mode == "patch_projection":
+        patch_projection(_VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, repeats)
+    elif mode == "serving":
+        serving(_VARIANT.value, _IMAGE_SIZE.value, repeats)
 
 
 if __name__ == "__main__":

@@ -170,14 +170,15 @@ def accelerator():
     return "cpu"
 
 
-def resolve_jit_compile(jit_compile="auto", precision=None):
+def resolve_jit_compile(jit_compile="auto", precision=None, training=True):
     """The `jit_compile` for `model.compile`: "on"/True, "off"/False, or "auto".
 
     "auto" picks what measured fastest for the platform and precision
     (`python -m experiments.benchmark`, README "Performance"):
     - TPU, GPU and the JAX backend: XLA, always (on a TPU it is the only way).
-    - CPU, TensorFlow, float32: XLA. An S/16 training step was 1.26x faster
-      with it; inference was within noise either way.
+    - CPU, TensorFlow, float32: XLA for training (an S/16 step was 1.26x
+      faster with it), oneDNN for inference (B/16: no XLA 1.11x keras-hub's
+      best, XLA 1.00x, in runs measured side by side with it).
     - CPU, TensorFlow, bfloat16 or float16: no XLA. oneDNN runs bfloat16
       matmuls on the AMX / AVX512-BF16 units (a 2048^3 matmul: ~1000 GFLOP/s
       vs ~250 under XLA, which computes them at float32 speed); B/16
@@ -187,6 +188,8 @@ def resolve_jit_compile(jit_compile="auto", precision=None):
         jit_compile: "auto", "on", "off", or a bool.
         precision: the dtype policy name ("float32", "mixed_bfloat16", ...);
             the global policy when None.
+        training: whether the model is compiled to train (`fit`) or only to
+            predict.
     """
     if isinstance(jit_compile, bool):
         return jit_compile
@@ -199,4 +202,4 @@ def resolve_jit_compile(jit_compile="auto", precision=None):
     if keras.backend.backend() == "jax" or accelerator() != "cpu":
         return True
     precision = precision or keras.mixed_precision.global_policy().name
-    return keras.mixed_precision.Policy(precision).compute_dtype == "float32"
+    return training and keras.mixed_precision.Policy(precision).compute_dtype == "float32"

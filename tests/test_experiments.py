@@ -1,7 +1,9 @@
 """The entry points, run as a user runs them."""
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -48,7 +50,7 @@ def test_config_overrides_from_the_command_line(tmp_path):
         "--config.epochs=2",
         "--config.model.num_layers=1",
         "--config.model.classifier=gap",
-        "--config.jit_compile=True",
+        "--config.jit_compile=on",
         "--config.steps_per_execution=4",
         "--config.export=saved_model,tflite",
     )
@@ -127,9 +129,44 @@ def test_benchmark_runs():
     args = ["--variant=testing", "--image_size=32", "--batch_size=2", "--repeats=2"]
     stdout = run_module("experiments.benchmark", "--mode=patch_projection", *args)
     assert "conv is" in stdout and "images/s" in stdout
+    stdout = run_module("experiments.benchmark", "--mode=profile", *args)
+    assert re.search(r"_MklNativeFusedMatMul\s+[\d.]+ ms", stdout), stdout
     stdout = run_module("experiments.benchmark", "--mode=serving", *args)
     for name in ("saved_model", "tflite float32", "tflite float16", "tflite dynamic", "tflite int8"):
         assert name in stdout
+
+
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_throughput_benchmark_runs(mode):
+    """The infer/train benchmark on the testing variant: that it works and reports, not how fast."""
+    stdout = run_module(
+        "experiments.benchmark", f"--mode={mode}", "--variant=testing", "--image_size=32",
+        "--batch_size=2", "--repeats=2", "--steps=2",
+    )  # fmt: skip
+    flops = keras_vit.flops.count_flops("testing", image_size=32, training=mode == "train")
+    assert f"Model FLOPs per image: {flops / 1e9:.6f} G" in stdout
+    row = re.search(r"keras_vit \(no XLA\)\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+1\.00x", stdout)
+    assert row, stdout
+    assert int(row[1].replace(",", "")) == keras_vit.build_vit("testing", image_size=32).count_params()
+    images_per_second, gflops = float(row[2]), float(row[3])
+    assert images_per_second > 0 and gflops == pytest.approx(images_per_second * flops / 1e9, rel=0.01, abs=0.06)
+    peak = re.search(r"roofline (\d+) GFLOP/s", stdout)
+    assert peak and int(peak[1]) > 0, stdout
+
+
+def test_benchmark_rejects_unknown_peers_and_names_the_missing_extra():
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "experiments.benchmark", "--variant=testing", "--image_size=32", *args],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    result = run("--compare=vit_keras")
+    assert result.returncode != 0 and "--compare takes a subset of ['keras_hub', 'timm']" in result.stderr
+    if importlib.util.find_spec("keras_hub") is None:  # The test extra leaves the peers out.
+        result = run("--compare=keras_hub")
+        assert result.returncode != 0
+        assert 'keras-hub is not installed' in result.stderr and '".[bench]"' in result.stderr
 
 
 def test_digits_data():
@@ -154,7 +191,7 @@ def test_a_killed_run_resumes_from_its_backup(tmp_path):
     import time
 
     args = [sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}", "--config.epochs=6",
-            "--config.visualize=False", "--config.model.num_layers=1", "--config.jit_compile=False"]
+            "--config.visualize=False", "--config.model.num_layers=1", "--config.jit_compile=off"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
@@ -193,7 +230,7 @@ config.epochs, config.visualize, config.max_shift = 3, False, 0
 config.model.dropout_rate = config.model.stochastic_depth_rate = 0.0  # no per-replica randomness
 # XLA cannot compile a step whose variables live on two logical CPU devices
 # (tensorflow.org/xla/known_issues); on GPUs and TPUs each replica compiles alone.
-config.jit_compile = False
+config.jit_compile = "off"
 config.grad_clip_norm = float(sys.argv[3])
 strategy = get_strategy(sys.argv[1])
 train.train_and_evaluate(config, sys.argv[2], strategy)

@@ -89,8 +89,9 @@ def test_resolve_jit_compile():
 
     assert resolve_jit_compile("on") is True and resolve_jit_compile("off") is False
     assert resolve_jit_compile(True) is True and resolve_jit_compile(False) is False
-    # On a CPU with TensorFlow: XLA for float32, oneDNN (no XLA) for the 16-bit policies.
+    # On a CPU with TensorFlow: XLA to train in float32, oneDNN (no XLA) otherwise.
     assert resolve_jit_compile("auto", "float32") is True
+    assert resolve_jit_compile("auto", "float32", training=False) is False
     assert resolve_jit_compile("auto", "mixed_bfloat16") is False
     assert resolve_jit_compile("auto", "mixed_float16") is False
     with pytest.raises(ValueError, match=r"one of \('auto', 'on', 'off'\).*Received: jit_compile='yes'"):

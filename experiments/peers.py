@@ -1,0 +1,161 @@
+r"""Other ViT implementations, built with the same architecture, for the benchmark.
+
+- keras-hub: `keras_hub.models.ViTImageClassifier` on a `ViTBackbone`, run
+  in-process with Keras `predict` / `fit` like ours.
+- timm: `timm.models.vision_transformer.VisionTransformer` (PyTorch, eager),
+  run in a child process (`python -m experiments.peers --timm ...`):
+  TensorFlow and PyTorch in one process crash on this machine when building a
+  B/16. The parent sends "<steps>\n" on stdin, the child runs that many
+  batches and answers with the seconds taken, so repetitions still
+  interleave with the other implementations.
+
+Neither is a dependency of keras_vit: `pip install -e ".[bench]"` installs
+them (see README, Performance).
+"""
+
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+MISSING = (
+    "{package} is not installed; the comparison needs the optional `bench` extra: "
+    "pip install -e \".[bench]\" (see README, Performance)."
+)
+
+
+def require(module, package):
+    """Imports `module`, or exits naming the package to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise SystemExit(MISSING.format(package=package)) from error
+
+
+def keras_hub_model(config, image_size, num_classes, precision):
+    """keras-hub's ViT classifier with `config`'s architecture."""
+    keras_hub = require("keras_hub", "keras-hub")
+    if config.resnet_layers is not None or config.patch_size[0] != config.patch_size[1]:
+        raise SystemExit("keras-hub's ViT has no hybrid and no non-square patches.")
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(image_size, image_size, 3),
+        patch_size=config.patch_size[0],
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        hidden_dim=config.hidden_dim,
+        mlp_dim=config.mlp_dim,
+        dtype=precision,
+    )
+    return keras_hub.models.ViTImageClassifier(
+        backbone=backbone, num_classes=num_classes, dtype=precision
+    )
+
+
+class TimmWorker:
+    """A timm ViT in a child process, driven one round of batches at a time."""
+
+    def __init__(self, config, image_size, batch_size, num_classes, mode, precision):
+        if config.resnet_layers is not None:
+            raise SystemExit("The timm comparison covers plain ViTs only, not hybrids.")
+        # A clear error here rather than in the child; found, not imported (see above).
+        if importlib.util.find_spec("timm") is None:
+            raise SystemExit(MISSING.format(package="timm"))
+        args = [
+            sys.executable, "-m", "experiments.peers", "--timm",
+            f"--hidden_dim={config.hidden_dim}", f"--num_layers={config.num_layers}",
+            f"--num_heads={config.num_heads}", f"--mlp_dim={config.mlp_dim}",
+            f"--patch_size={config.patch_size[0]}", f"--image_size={image_size}",
+            f"--batch_size={batch_size}", f"--num_classes={num_classes}",
+            f"--mode={mode}", f"--precision={precision}",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+        self.parameters = int(self._read())
+
+    def _read(self):
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"The timm worker exited with status {self.process.wait()}.")
+        return line.strip()
+
+    def __call__(self, steps):
+        self.process.stdin.write(f"{steps}\n")
+        return float(self._read())
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait()
+
+
+# === The child process ===
+
+
+def _worker_arguments(argv):
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The benchmark's timm worker.")
+    parser.add_argument("--timm", action="store_true", required=True)
+    for name in ("hidden_dim", "num_layers", "num_heads", "mlp_dim", "patch_size", "image_size",
+                 "batch_size", "num_classes"):  # fmt: skip
+        parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--mode", choices=("infer", "train"), required=True)
+    parser.add_argument("--precision", choices=("float32", "mixed_bfloat16"), required=True)
+    return parser.parse_args(argv)
+
+
+def timm_worker(argv):
+    import torch
+    from timm.models.vision_transformer import VisionTransformer
+
+    f = _worker_arguments(argv)
+    torch.set_num_threads(os.cpu_count())
+    torch.manual_seed(0)
+    model = VisionTransformer(
+        img_size=f.image_size,
+        patch_size=f.patch_size,
+        embed_dim=f.hidden_dim,
+        depth=f.num_layers,
+        num_heads=f.num_heads,
+        mlp_ratio=f.mlp_dim / f.hidden_dim,
+        num_classes=f.num_classes,
+    )
+    rng = np.random.default_rng(0)
+    images = torch.from_numpy(
+        rng.uniform(-1, 1, (f.batch_size, 3, f.image_size, f.image_size)).astype(np.float32)
+    )
+    labels = torch.from_numpy(rng.integers(0, f.num_classes, f.batch_size))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=f.precision == "mixed_bfloat16")
+    if f.mode == "train":
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        loss_fn = torch.nn.CrossEntropyLoss()
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            with autocast:
+                loss = loss_fn(model(images), labels)
+            loss.backward()
+            optimizer.step()
+    else:
+        model.eval()
+
+        def step():
+            with torch.inference_mode(), autocast:
+                model(images)
+
+    print(sum(p.numel() for p in model.parameters()), flush=True)
+    for line in sys.stdin:
+        steps = int(line)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        print(time.perf_counter() - start, flush=True)
+
+
+if __name__ == "__main__":
+    timm_worker(sys.argv[1:])
