@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_vit.data import IMAGE_MAGIC, center_crop_resize
+from keras_vit.layers import portable_ops
 
 QUANTIZATIONS = (None, "float16", "dynamic", "int8")
 
@@ -142,6 +143,8 @@ def _write_saved_model(model, path, endpoints):
 
     A plain trackable object holding the variables once: Keras's ExportArchive
     (keras 3.15) writes every variable twice, doubling the SavedModel's size.
+    Traced with `portable_ops()`, so the graph runs on any device and converts
+    to TFLite.
     """
     module = tf.__internal__.tracking.AutoTrackable()
     module.variables = [v.value for v in model.variables]
@@ -150,7 +153,8 @@ def _write_saved_model(model, path, endpoints):
     for name, (function, spec) in endpoints.items():
         traced = tf.function(function, input_signature=[spec])
         setattr(module, name, traced)
-        signatures[name] = traced.get_concrete_function()
+        with portable_ops():
+            signatures[name] = traced.get_concrete_function()
     tf.saved_model.save(module, path, signatures=signatures)
 
 
@@ -298,7 +302,8 @@ def export_onnx(model, path, *, opset=17, overwrite=False):
     spec = [tf.TensorSpec([None, height, width, channels], tf.float32, name="images")]
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, "model.onnx")
-        tf2onnx.convert.from_function(serve, input_signature=spec, opset=opset, output_path=local)
+        with portable_ops():
+            tf2onnx.convert.from_function(serve, input_signature=spec, opset=opset, output_path=local)
         with open(local, "rb") as src, tf.io.gfile.GFile(path, "wb") as dst:
             dst.write(src.read())
     return path

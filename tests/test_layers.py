@@ -229,3 +229,27 @@ def test_tensorflow_fuses_the_mlp_matmul_bias_and_gelu():
     ]
     assert ops.count("_MklNativeFusedMatMul") == 4, ops  # QKV, attention output, MLP 1 and 2
     assert "Erf" not in ops and "BiasAdd" not in ops, ops
+    # Both LayerNorms are oneDNN's kernel; none of the plain formula's passes is left.
+    assert ops.count("_MklLayerNorm") == 2, ops
+    assert not {"SquaredDifference", "Mean", "Rsqrt"} & set(ops), ops
+
+
+def test_portable_ops_trace_the_plain_layer_norm():
+    """Exports trace without the training-mode FusedBatchNormV3 that converters and GPUs refuse."""
+    import tensorflow as tf
+
+    block = vit_layers.TransformerBlock(num_heads=2, mlp_dim=32)
+    block.build((None, 9, 16))
+    spec = tf.TensorSpec((None, 9, 16))
+
+    def op_types(function):
+        return {op.type for op in function.get_concrete_function(spec).graph.get_operations()}
+
+    fast = op_types(tf.function(lambda x: block(x)))
+    training = op_types(tf.function(lambda x: block(x, training=True)))
+    with vit_layers.portable_ops():
+        portable = op_types(tf.function(lambda x: block(x)))
+    assert "FusedBatchNormV3" in fast
+    # Exports, and training steps (which the optimiser does not fuse), use the plain formula.
+    assert "FusedBatchNormV3" not in portable and "PlaceholderWithDefault" not in portable
+    assert "FusedBatchNormV3" not in training
