@@ -256,6 +256,15 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
             ours.count_params(),
         )
     }
+    if precision != "float32":  # Our own float32 model, for the speed-up of the 16-bit policy.
+        keras.mixed_precision.set_dtype_policy("float32")
+        ours32 = keras_vit.build_vit(variant, image_size=image_size, num_classes=num_classes)
+        keras.mixed_precision.set_dtype_policy(precision)
+        jit32 = keras_vit.training.resolve_jit_compile(jit, "float32", training=mode == "train")
+        contenders[f"keras_vit float32 ({'XLA' if jit32 else 'no XLA'})"] = (
+            keras_contender(ours32, mode, images, labels, batch_size, jit32),
+            ours32.count_params(),
+        )
     workers = []
     if "keras_hub" in compare:
         for hub_jit in (False, True):
@@ -312,12 +321,15 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
         + f"; roofline {peak / 1e9:.0f} GFLOP/s"
     )
     ours_name = next(iter(contenders))
-    print(f"  {'implementation':24s} {'params':>11s} {'images/s':>9s} {'GFLOP/s':>8s} {'of peak':>8s} {'ours/this':>9s}")
+    print(f"  {'implementation':28s} {'params':>11s} {'images/s':>9s} {'GFLOP/s':>8s} {'of peak':>8s} {'ours/this':>9s}")
     for name, rate in median.items():
         print(
-            f"  {name:24s} {contenders[name][1]:11,d} {rate:9.2f} {rate * flops / 1e9:8.1f} "
+            f"  {name:28s} {contenders[name][1]:11,d} {rate:9.2f} {rate * flops / 1e9:8.1f} "
             f"{100 * rate * flops / peak:7.1f}% {median[ours_name] / rate:8.2f}x"
         )
+    if precision != "float32":
+        float32_rate = next(rate for name, rate in median.items() if name.startswith("keras_vit float32"))
+        print(f"keras_vit {precision} / keras_vit float32: {median[ours_name] / float32_rate:.2f}x")
     for peer in compare:
         best = max((rate, name) for name, rate in median.items() if name.startswith(peer))
         print(f"keras_vit / {peer}: {median[ours_name] / best[0]:.2f}x (against {best[1]}, its faster)")
