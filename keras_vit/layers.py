@@ -120,7 +120,7 @@ def portable_ops():
 @functools.lru_cache(maxsize=None)
 def _onednn_cpu_only():
     """TensorFlow with oneDNN, and no GPU or TPU that ops could be placed on."""
-    import tensorflow as tf
+    from keras_vit.training import accelerator
 
     try:
         from tensorflow.python.util import _pywrap_util_port
@@ -128,7 +128,7 @@ def _onednn_cpu_only():
         onednn = _pywrap_util_port.IsMklEnabled()
     except (ImportError, AttributeError):
         onednn = False
-    return onednn and not any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+    return onednn and accelerator() == "cpu"
 
 
 def _onednn_path():
@@ -186,13 +186,16 @@ def layer_norm(x, layer, training=None):
 
 
 def dense(x, kernel, bias, gelu=False):
-    """`x @ kernel + bias` (then exact GELU) on the last axis of x.
+    """`x @ kernel + bias` (then exact GELU) on the last axis of x, in x's dtype.
 
-    The leading axes are flattened first so that the matmul, the bias and the
-    GELU see a 2-D matrix: the form that oneDNN fuses into one kernel (see
-    `bias_add`). The same numbers as a `keras.layers.Dense`.
+    The weights are cast to x's dtype (under a mixed policy the variables are
+    float32, the activations 16-bit). The leading axes are flattened first so
+    that the matmul, the bias and the GELU see a 2-D matrix: the form that
+    oneDNN fuses into one kernel (see `bias_add`). The same numbers as a
+    `keras.layers.Dense`.
     """
     shape = x.shape
+    kernel, bias = ops.cast(kernel, x.dtype), ops.cast(bias, x.dtype)
     y = bias_add(ops.matmul(ops.reshape(x, (-1, shape[-1])), kernel), bias)
     if gelu:
         y = exact_gelu(y)
@@ -399,11 +402,11 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         tokens, hidden = inputs.shape[1], inputs.shape[2]
         heads, head_dim = self.num_heads, self.head_dim
         dtype = self.compute_dtype
-        qkv = dense(inputs, ops.cast(self.qkv_kernel, dtype), ops.cast(self.qkv_bias, dtype))
+        qkv = dense(inputs, self.qkv_kernel, self.qkv_bias)
         qkv = ops.reshape(qkv, (-1, tokens, 3, heads, head_dim))
         qkv = ops.transpose(qkv, (2, 0, 3, 1, 4))  # (3, batch, heads, tokens, head_dim)
         query, key, value = qkv[0], qkv[1], qkv[2]
-        query = query * ops.cast(1.0 / math.sqrt(head_dim), self.compute_dtype)
+        query = query * ops.cast(1.0 / math.sqrt(head_dim), dtype)
         logits = ops.matmul(query, ops.swapaxes(key, -1, -2))
         # Softmax in float32: bfloat16 has 8 bits of mantissa, too few for
         # normalising a row of a few hundred probabilities. oneDNN's softmax
@@ -418,7 +421,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
             self.attention_dropout(ops.cast(probs, dtype), training=training), value
         )
         attended = ops.reshape(ops.transpose(attended, (0, 2, 1, 3)), (-1, tokens, hidden))
-        outputs = dense(attended, ops.cast(self.output_kernel, dtype), ops.cast(self.output_bias, dtype))
+        outputs = dense(attended, self.output_kernel, self.output_bias)
         if return_attention_scores:
             return outputs, probs
         return outputs
@@ -523,10 +526,6 @@ class TransformerBlock(keras.layers.Layer):
         mask = ops.cast(noise < keep, x.dtype) / ops.cast(keep, x.dtype)
         return x * mask
 
-    def _mlp_dense(self, layer, x, gelu=False):
-        dtype = self.compute_dtype
-        return dense(x, ops.cast(layer.kernel, dtype), ops.cast(layer.bias, dtype), gelu=gelu)
-
     def call(self, inputs, training=None, return_attention_scores=False):
         attended = self.attention(
             layer_norm(inputs, self.attention_norm, training),
@@ -538,9 +537,10 @@ class TransformerBlock(keras.layers.Layer):
         x = inputs + self._drop_path(self.dropout(attended, training=training), training)
         # The MLP's Dense layers hold the weights; `dense` computes them in
         # the form oneDNN fuses (matmul + bias + GELU in one kernel).
-        y = self._mlp_dense(self.mlp_dense_1, layer_norm(x, self.mlp_norm, training), gelu=True)
+        dense_1, dense_2 = self.mlp_dense_1, self.mlp_dense_2
+        y = dense(layer_norm(x, self.mlp_norm, training), dense_1.kernel, dense_1.bias, gelu=True)
         y = self.dropout(y, training=training)
-        y = self.dropout(self._mlp_dense(self.mlp_dense_2, y), training=training)
+        y = self.dropout(dense(y, dense_2.kernel, dense_2.bias), training=training)
         outputs = x + self._drop_path(y, training)
         if return_attention_scores:
             return outputs, scores
