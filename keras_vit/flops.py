@@ -26,17 +26,14 @@ def _stem_flops(resnet_layers, height, width, channels):
     height, width = _ceil_div(height, 2), _ceil_div(width, 2)
     flops = 2 * height * width * 7 * 7 * channels * base  # conv_root, stride 2
     height, width, channels = _ceil_div(height, 2), _ceil_div(width, 2), base  # max pool
-    for stage, size in enumerate(resnet_layers, start=1):
-        features = base * 2 ** (stage - 1)
-        for unit in range(1, size + 1):
-            stride = 2 if stage > 1 and unit == 1 else 1
-            out_h, out_w = _ceil_div(height, stride), _ceil_div(width, stride)
-            flops += 2 * height * width * channels * features  # conv1, 1x1
-            flops += 2 * out_h * out_w * 3 * 3 * features * features  # conv2, 3x3
-            flops += 2 * out_h * out_w * features * 4 * features  # conv3, 1x1
-            if channels != 4 * features or stride != 1:
-                flops += 2 * out_h * out_w * channels * 4 * features  # conv_proj
-            height, width, channels = out_h, out_w, 4 * features
+    for _, features, stride in ResNetStem.unit_plan(resnet_layers, base):
+        out_h, out_w = _ceil_div(height, stride), _ceil_div(width, stride)
+        flops += 2 * height * width * channels * features  # conv1, 1x1
+        flops += 2 * out_h * out_w * 3 * 3 * features * features  # conv2, 3x3
+        flops += 2 * out_h * out_w * features * 4 * features  # conv3, 1x1
+        if channels != 4 * features or stride != 1:
+            flops += 2 * out_h * out_w * channels * 4 * features  # conv_proj
+        height, width, channels = out_h, out_w, 4 * features
     return flops, (height, width, channels)
 
 

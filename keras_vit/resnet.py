@@ -139,6 +139,14 @@ class ResNetStem(keras.layers.Layer):
         self.width_factor = width_factor
 
     @staticmethod
+    def unit_plan(num_layers, width):
+        """(name, features, strides) of each bottleneck unit, in order."""
+        for stage, size in enumerate(num_layers, start=1):
+            for unit in range(1, size + 1):
+                strides = 2 if stage > 1 and unit == 1 else 1
+                yield f"block{stage}_unit{unit}", width * 2 ** (stage - 1), strides
+
+    @staticmethod
     def stride(num_layers):
         """The total stride of a stem with these stages."""
         return 4 * 2 ** max(len(num_layers) - 1, 0)
@@ -149,15 +157,10 @@ class ResNetStem(keras.layers.Layer):
         self.conv_root = _conv(width, 7, 2, "conv_root", dtype)
         self.gn_root = _group_norm("gn_root", dtype)
         self.pool = keras.layers.MaxPooling2D(3, 2, padding="same", dtype=dtype, name="pool")
-        self.units = []
-        for stage, size in enumerate(self.num_layers, start=1):
-            for unit in range(1, size + 1):
-                strides = 2 if stage > 1 and unit == 1 else 1
-                self.units.append(
-                    BottleneckUnit(
-                        width * 2 ** (stage - 1), strides, name=f"block{stage}_unit{unit}", dtype=dtype
-                    )
-                )
+        self.units = [
+            BottleneckUnit(features, strides, name=name, dtype=dtype)
+            for name, features, strides in ResNetStem.unit_plan(self.num_layers, width)
+        ]
         self.conv_root.build(input_shape)
         shape = self.conv_root.compute_output_shape(input_shape)
         self.gn_root.build(shape)
