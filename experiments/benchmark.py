@@ -72,14 +72,19 @@ def time_calls(functions, inputs, repeats):
     """Median seconds per call of each function, calls interleaved, after warm-up."""
     for fn in functions.values():
         for _ in range(3):
-            np.asarray(fn(inputs))
+            timed(fn, inputs)
     times = {name: [] for name in functions}
     for _ in range(repeats):
         for name, fn in functions.items():
-            start = time.perf_counter()
-            np.asarray(fn(inputs))
-            times[name].append(time.perf_counter() - start)
+            times[name].append(timed(fn, inputs))
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def timed(function, argument):
+    """Seconds of one call, its result brought to the host."""
+    start = time.perf_counter()
+    keras.ops.convert_to_numpy(function(argument))
+    return time.perf_counter() - start
 
 
 def patch_projection(variant, image_size, batch_size, repeats):
@@ -193,12 +198,6 @@ def matmul_peak_functions(dtype, size=2048):
     return functions, 2 * size**3
 
 
-def timed(function, argument):
-    start = time.perf_counter()
-    keras.ops.convert_to_numpy(function(argument))
-    return time.perf_counter() - start
-
-
 def keras_contender(model, mode, images, labels, batch_size, jit_compile):
     """A function (steps -> seconds) running `predict` or `fit` on `steps` batches.
 
@@ -248,31 +247,27 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
     labels = rng.integers(0, num_classes, steps * batch_size)
 
     # === Contenders: name -> (steps -> seconds), parameter count ===
-    ours = keras_vit.build_vit(variant, image_size=image_size, num_classes=num_classes)
-    xla = "XLA" if jit_compile else "no XLA"
-    contenders = {
-        f"keras_vit ({xla})": (
-            keras_contender(ours, mode, images, labels, batch_size, jit_compile),
-            ours.count_params(),
-        )
-    }
+    contenders = {}
+
+    def add_keras(label, model, jit_compile):
+        name = f"{label} ({'XLA' if jit_compile else 'no XLA'})"
+        run = keras_contender(model, mode, images, labels, batch_size, jit_compile)
+        contenders[name] = (run, model.count_params())
+        return name
+
+    ours_name = add_keras(
+        "keras_vit", keras_vit.build_vit(variant, image_size=image_size, num_classes=num_classes), jit_compile
+    )
     if precision != "float32":  # Our own float32 model, for the speed-up of the 16-bit policy.
         keras.mixed_precision.set_dtype_policy("float32")
         ours32 = keras_vit.build_vit(variant, image_size=image_size, num_classes=num_classes)
         keras.mixed_precision.set_dtype_policy(precision)
         jit32 = keras_vit.training.resolve_jit_compile(jit, "float32", training=mode == "train")
-        contenders[f"keras_vit float32 ({'XLA' if jit32 else 'no XLA'})"] = (
-            keras_contender(ours32, mode, images, labels, batch_size, jit32),
-            ours32.count_params(),
-        )
+        float32_name = add_keras("keras_vit float32", ours32, jit32)
     workers = []
     if "keras_hub" in compare:
         for hub_jit in (False, True):
-            hub = peers.keras_hub_model(config, image_size, num_classes, precision)
-            contenders[f"keras_hub ({'XLA' if hub_jit else 'no XLA'})"] = (
-                keras_contender(hub, mode, images, labels, batch_size, hub_jit),
-                hub.count_params(),
-            )
+            add_keras("keras_hub", peers.keras_hub_model(config, image_size, num_classes, precision), hub_jit)
     if "timm" in compare:
         worker = peers.TimmWorker(config, image_size, batch_size, num_classes, mode, precision)
         workers.append(worker)
@@ -305,7 +300,7 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
     what = "training steps (fit, AdamW)" if mode == "train" else "inference (predict)"
     print(
         f"{variant} {what} at {image_size} px, batch {batch_size}, {precision}, "
-        f"--jit={jit} ({xla} for keras_vit), backend {keras.backend.backend()}"
+        f"--jit={jit} ({'XLA' if jit_compile else 'no XLA'} for keras_vit), backend {keras.backend.backend()}"
     )
     print(
         f"Machine: {cpu_name()}, {os.cpu_count()} cores. Median of {repeats} interleaved "
@@ -320,7 +315,6 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
         + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peak_by_kind.items())
         + f"; roofline {peak / 1e9:.0f} GFLOP/s"
     )
-    ours_name = next(iter(contenders))
     print(f"  {'implementation':28s} {'params':>11s} {'images/s':>9s} {'GFLOP/s':>8s} {'of peak':>8s} {'ours/this':>9s}")
     for name, rate in median.items():
         print(
@@ -328,8 +322,7 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
             f"{100 * rate * flops / peak:7.1f}% {median[ours_name] / rate:8.2f}x"
         )
     if precision != "float32":
-        float32_rate = next(rate for name, rate in median.items() if name.startswith("keras_vit float32"))
-        print(f"keras_vit {precision} / keras_vit float32: {median[ours_name] / float32_rate:.2f}x")
+        print(f"keras_vit {precision} / keras_vit float32: {median[ours_name] / median[float32_name]:.2f}x")
     for peer in compare:
         best = max((rate, name) for name, rate in median.items() if name.startswith(peer))
         print(f"keras_vit / {peer}: {median[ours_name] / best[0]:.2f}x (against {best[1]}, its faster)")
@@ -339,42 +332,58 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
 # === profile ===
 
 
+def traced_op_times(function, feed, repeats=1):
+    """[(op type, seconds)] of every op that ran in `repeats` traced runs of `function` on `feed`.
+
+    The function is traced for `feed`'s shape, frozen (weights as constants)
+    and run by a TensorFlow session, once untraced as a warm-up, then with
+    full tracing: the way TensorFlow collects its own step statistics, after
+    its graph optimiser has fused what it fuses.
+    """
+    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
+
+    spec = tf.TensorSpec(feed.shape, feed.dtype)
+    frozen = convert_variables_to_constants_v2(tf.function(function).get_concrete_function(spec))
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.import_graph_def(frozen.graph.as_graph_def(), name="")
+    feeds = {frozen.inputs[0].name: feed}
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    times = []
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(frozen.outputs[0].name, feeds)
+        for _ in range(repeats):
+            metadata = tf.compat.v1.RunMetadata()
+            session.run(frozen.outputs[0].name, feeds, options=options, run_metadata=metadata)
+            times += [
+                (
+                    node.timeline_label.split(" = ")[1].split("(")[0],
+                    (node.op_end_rel_micros - node.op_start_rel_micros) / 1e6,
+                )
+                for device in metadata.step_stats.dev_stats
+                for node in device.node_stats
+                if " = " in node.timeline_label
+            ]
+    return times
+
+
 def profile(variant, image_size, batch_size, precision, repeats):
     """Time per TensorFlow op type of one inference batch, as oneDNN runs it (no XLA).
 
-    The graph is frozen (weights as constants) and run by a TensorFlow session
-    with tracing, the way TensorFlow's own step statistics are collected.
-    Returns {op type: seconds}.
+    Returns {op type: seconds per batch}, the mean of `repeats` traced runs
+    (see `traced_op_times`).
     """
     import collections
-
-    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
 
     keras.mixed_precision.set_dtype_policy(precision)
     model = keras_vit.build_vit(variant, image_size=image_size, num_classes=1000)
     rng = np.random.default_rng(0)
     for weight in model.weights:  # Zero biases would be constant-folded away.
         weight.assign(rng.normal(0.0, 0.02, weight.shape).astype(weight.dtype))
-    spec = tf.TensorSpec((batch_size, image_size, image_size, 3), tf.float32)
-    frozen = convert_variables_to_constants_v2(
-        tf.function(lambda x: model(x, training=False)).get_concrete_function(spec)
-    )
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.import_graph_def(frozen.graph.as_graph_def(), name="")
-    feed = {frozen.inputs[0].name: rng.uniform(0, 255, spec.shape).astype("float32")}
-    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    images = rng.uniform(0, 255, (batch_size, image_size, image_size, 3)).astype("float32")
     seconds = collections.Counter()
-    with tf.compat.v1.Session(graph=graph) as session:
-        session.run(frozen.outputs[0].name, feed)  # warm-up
-        for _ in range(repeats):
-            metadata = tf.compat.v1.RunMetadata()
-            session.run(frozen.outputs[0].name, feed, options=options, run_metadata=metadata)
-            for device in metadata.step_stats.dev_stats:
-                for node in device.node_stats:
-                    if " = " in node.timeline_label:
-                        op = node.timeline_label.split(" = ")[1].split("(")[0]
-                        seconds[op] += (node.op_end_rel_micros - node.op_start_rel_micros) / 1e6 / repeats
+    for op, value in traced_op_times(lambda x: model(x, training=False), images, repeats):
+        seconds[op] += value / repeats
     total = sum(seconds.values())
     flops = keras_vit.flops.count_flops(variant, image_size=image_size) * batch_size
     print(

@@ -13,7 +13,6 @@ Neither is a dependency of keras_vit: `pip install -e ".[bench]"` installs
 them (see README, Performance).
 """
 
-import importlib
 import importlib.util
 import os
 import subprocess
@@ -29,16 +28,20 @@ MISSING = (
 
 
 def require(module, package):
-    """Imports `module`, or exits naming the package to install."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise SystemExit(MISSING.format(package=package)) from error
+    """Exits naming the package to install when `module` is not installed.
+
+    Looks the module up without importing it: importing PyTorch into the
+    benchmark's TensorFlow process is what crashes (see above).
+    """
+    if importlib.util.find_spec(module) is None:
+        raise SystemExit(MISSING.format(package=package))
 
 
 def keras_hub_model(config, image_size, num_classes, precision):
     """keras-hub's ViT classifier with `config`'s architecture."""
-    keras_hub = require("keras_hub", "keras-hub")
+    require("keras_hub", "keras-hub")
+    import keras_hub
+
     if config.resnet_layers is not None or config.patch_size[0] != config.patch_size[1]:
         raise SystemExit("keras-hub's ViT has no hybrid and no non-square patches.")
     backbone = keras_hub.models.ViTBackbone(
@@ -61,9 +64,7 @@ class TimmWorker:
     def __init__(self, config, image_size, batch_size, num_classes, mode, precision):
         if config.resnet_layers is not None:
             raise SystemExit("The timm comparison covers plain ViTs only, not hybrids.")
-        # A clear error here rather than in the child; found, not imported (see above).
-        if importlib.util.find_spec("timm") is None:
-            raise SystemExit(MISSING.format(package="timm"))
+        require("timm", "timm")  # A clear error here rather than in the child.
         args = [
             sys.executable, "-m", "experiments.peers", "--timm",
             f"--hidden_dim={config.hidden_dim}", f"--num_layers={config.num_layers}",

@@ -198,9 +198,9 @@ def test_transformer_block_matches_the_straightforward_formulation(hidden, heads
 
 def test_tensorflow_fuses_the_mlp_matmul_bias_and_gelu():
     """What makes the block fast on a CPU: no separate Erf/GELU op is left in the optimised graph."""
-    import tensorflow as tf
-    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
     from tensorflow.python.util import _pywrap_util_port
+
+    from experiments.benchmark import traced_op_times
 
     if not _pywrap_util_port.IsMklEnabled():
         pytest.skip("TensorFlow built without oneDNN")
@@ -208,25 +208,7 @@ def test_tensorflow_fuses_the_mlp_matmul_bias_and_gelu():
     block.build((None, 9, 16))
     for weight in block.weights:  # Zero biases would be folded away before fusion.
         weight.assign(np.random.default_rng(0).normal(0.0, 0.2, weight.shape))
-    function = tf.function(lambda x: block(x)).get_concrete_function(tf.TensorSpec((2, 9, 16)))
-    frozen = convert_variables_to_constants_v2(function)
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.import_graph_def(frozen.graph.as_graph_def(), name="")
-    metadata = tf.compat.v1.RunMetadata()
-    with tf.compat.v1.Session(graph=graph) as session:
-        session.run(
-            frozen.outputs[0].name,
-            {frozen.inputs[0].name: np.ones((2, 9, 16), "float32")},
-            options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
-            run_metadata=metadata,
-        )
-    ops = [
-        node.timeline_label.split(" = ")[1].split("(")[0]
-        for device in metadata.step_stats.dev_stats
-        for node in device.node_stats
-        if " = " in node.timeline_label
-    ]
+    ops = [op for op, _ in traced_op_times(lambda x: block(x), np.ones((2, 9, 16), "float32"))]
     assert ops.count("_MklNativeFusedMatMul") == 4, ops  # QKV, attention output, MLP 1 and 2
     assert "Erf" not in ops and "BiasAdd" not in ops, ops
     # Both LayerNorms are oneDNN's kernel; none of the plain formula's passes is left.
