@@ -12,10 +12,12 @@ replica's gradients before summing them across replicas
 all-reduces), so the clipped update depends on the number of replicas.  The
 optimizers built here clip the all-reduced gradient instead, which is what a
 single device does with the same global batch.
+
+TensorFlow is imported where it is used, so that the JAX and PyTorch backends
+can build, train and benchmark models without it installed.
 """
 
 import keras
-import tensorflow as tf
 
 OPTIMIZERS = ("adamw", "sgd")
 DECAYS = ("cosine", "linear")
@@ -25,6 +27,10 @@ class ClipAfterAllReduce:
     """Mixin for Keras TF-backend optimizers: clip the global gradient after the cross-replica sum."""
 
     def _multi_replica(self):
+        if keras.backend.backend() != "tensorflow":
+            return False
+        import tensorflow as tf
+
         context = tf.distribute.get_replica_context()
         return context is not None and context.num_replicas_in_sync > 1
 
@@ -36,6 +42,8 @@ class ClipAfterAllReduce:
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         if not self._multi_replica():
             return super()._backend_update_step(grads, trainable_variables, learning_rate)
+        import tensorflow as tf
+
         variables = [v.value if isinstance(v, keras.Variable) else v for v in trainable_variables]
         reduced = self._all_reduce_sum_gradients(list(zip(grads, variables)))
         clipped = super()._clip_gradients([g for g, _ in reduced])
@@ -134,6 +142,8 @@ class CSVLog(keras.callbacks.Callback):
         self.header, self.rows = None, []
 
     def on_train_begin(self, logs=None):
+        import tensorflow as tf
+
         if tf.io.gfile.exists(self.path):
             with tf.io.gfile.GFile(self.path, "r") as f:
                 lines = f.read().splitlines()
@@ -141,6 +151,8 @@ class CSVLog(keras.callbacks.Callback):
                 self.header, self.rows = lines[0].split(","), lines[1:]
 
     def on_epoch_end(self, epoch, logs=None):
+        import tensorflow as tf
+
         logs = logs or {}
         if self.header is None:
             self.header = ["epoch"] + sorted(logs)
@@ -159,6 +171,8 @@ def accelerator():
     """"tpu", "gpu" or "cpu": where the current Keras backend computes."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
+        import tensorflow as tf
+
         for kind in ("TPU", "GPU"):
             if tf.config.list_logical_devices(kind):
                 return kind.lower()
@@ -167,6 +181,10 @@ def accelerator():
         import jax
 
         return jax.default_backend()
+    if backend == "torch":
+        import torch
+
+        return "gpu" if torch.cuda.is_available() else "cpu"
     return "cpu"
 
 
