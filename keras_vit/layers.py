@@ -117,6 +117,22 @@ def portable_ops():
         _TRACING.portable = previous
 
 
+@contextlib.contextmanager
+def fused_attention(enabled):
+    """Attention traced within it is `keras.ops.dot_product_attention` (True)
+    or the explicit batched matmuls and softmax (False), on any backend,
+    instead of the choice `_fused_attention_path` makes. For comparing the
+    two (`python -m experiments.benchmark --mode=attention`); both compute
+    the same function.
+    """
+    previous = getattr(_TRACING, "fused_attention", None)
+    _TRACING.fused_attention = bool(enabled)
+    try:
+        yield
+    finally:
+        _TRACING.fused_attention = previous
+
+
 @functools.lru_cache(maxsize=None)
 def _onednn_cpu_only():
     """TensorFlow with oneDNN, and no GPU or TPU that ops could be placed on."""
@@ -138,6 +154,27 @@ def _onednn_path():
         and not getattr(_TRACING, "portable", False)
         and _onednn_cpu_only()
     )
+
+
+def _fused_attention_path():
+    """Whether attention may call `keras.ops.dot_product_attention`: on a GPU or
+    TPU, with a backend other than TensorFlow.
+
+    There JAX runs cuDNN's fused (flash) attention on NVIDIA GPUs from Ampere
+    on for 16-bit inputs, Splash attention on TPUs, and its own XLA
+    formulation otherwise (logits and softmax in float32, as here); PyTorch
+    runs `scaled_dot_product_attention`. On a CPU, JAX's XLA formulation was
+    ~15% slower than the explicit form below (Ti/16, batch 8, float32 and
+    bfloat16), and TensorFlow's version is the same batched matmuls as the
+    explicit form, which keeps the oneDNN-tuned softmax and converts to
+    TFLite as it is.
+    """
+    forced = getattr(_TRACING, "fused_attention", None)
+    if forced is not None:
+        return forced
+    from keras_vit.training import accelerator
+
+    return keras.backend.backend() != "tensorflow" and accelerator() != "cpu"
 
 
 def layer_norm(x, layer, training=None):
@@ -404,6 +441,20 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         dtype = self.compute_dtype
         qkv = dense(inputs, self.qkv_kernel, self.qkv_bias)
         qkv = ops.reshape(qkv, (-1, tokens, 3, heads, head_dim))
+        dropout = training and self.dropout_rate > 0
+        if not (return_attention_scores or dropout) and _fused_attention_path():
+            # (batch, tokens, heads, head_dim) is the layout the fused kernels take: no transposes.
+            # Training asks for no flash kernel: cuDNN's has no backward pass for 197 tokens
+            # (JAX 0.11: "Unsupported sequence length"); Keras would log that failure at every
+            # trace and fall back to the XLA formulation, which this asks for directly.
+            attended = ops.dot_product_attention(
+                qkv[:, :, 0],
+                qkv[:, :, 1],
+                qkv[:, :, 2],
+                scale=1.0 / math.sqrt(head_dim),
+                flash_attention=False if training else None,
+            )
+            return dense(ops.reshape(attended, (-1, tokens, hidden)), self.output_kernel, self.output_bias)
         qkv = ops.transpose(qkv, (2, 0, 3, 1, 4))  # (3, batch, heads, tokens, head_dim)
         query, key, value = qkv[0], qkv[1], qkv[2]
         query = query * ops.cast(1.0 / math.sqrt(head_dim), dtype)

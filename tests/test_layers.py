@@ -110,6 +110,42 @@ def test_attention_returns_row_stochastic_scores():
     np.testing.assert_array_equal(attention(x), out)
 
 
+def test_fused_attention_matches_the_explicit_form(monkeypatch):
+    """`keras.ops.dot_product_attention` (the path for GPUs and TPUs off TensorFlow), forced here,
+    gives the explicit form's numbers; scores and attention dropout keep the explicit form."""
+    calls = []
+    fused = keras.ops.dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("flash_attention"))
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(vit_layers.ops, "dot_product_attention", spy)
+    assert not vit_layers._fused_attention_path()  # TensorFlow on a CPU: the explicit form.
+    attention = vit_layers.MultiHeadSelfAttention(num_heads=3, dropout_rate=0.5, seed=0)
+    attention.build((None, 11, 24))
+    rng = np.random.default_rng(0)
+    for weight in attention.weights:
+        weight.assign(rng.normal(0.0, 0.3, weight.shape))
+    x = rng.normal(size=(2, 11, 24)).astype("float32")
+    explicit, scores = attention(x, return_attention_scores=True)
+    assert not calls
+    with vit_layers.fused_attention(True):
+        np.testing.assert_allclose(np.asarray(attention(x)), np.asarray(explicit), rtol=1e-5, atol=1e-5)
+        assert calls == [None]
+        attention(x, return_attention_scores=True)
+        attention(x, training=True)  # Dropout on the probabilities: explicit.
+        assert calls == [None]
+        attention.dropout_rate = 0.0  # Training asks for no flash kernel (no backward for 197 tokens).
+        np.testing.assert_allclose(
+            np.asarray(attention(x, training=True)), np.asarray(explicit), rtol=1e-5, atol=1e-5
+        )
+        assert calls == [None, False]
+    with vit_layers.fused_attention(False):
+        attention(x)
+    assert len(calls) == 2
+
+
 def test_stochastic_depth_drops_whole_samples_in_training_only():
     block = vit_layers.TransformerBlock(num_heads=2, mlp_dim=8, stochastic_depth_rate=0.5, seed=0)
     x = np.random.default_rng(0).normal(size=(64, 3, 4)).astype("float32")
