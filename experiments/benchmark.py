@@ -13,12 +13,23 @@ warm-up call, as the median over --repeats repetitions of --steps batches each;
 the implementations take turns within every repetition so that they share the
 machine's state. For each it prints the model's FLOPs per image
 (`keras_vit.flops`; 3x forward for a training step), the achieved FLOP/s and
-their fraction of the matmul peak: a 2048^3 matmul at the same precision
-timed in the same repetitions, with and without XLA, the faster counting.
+their fraction of the matmul peak: a 2048^3 matmul (8192^3 on a GPU or TPU)
+at the same precision timed in the same process before and after the
+repetitions, with and without XLA, the faster counting (on an accelerator,
+that fraction is the MFU).
 With --compare, the same architecture from keras-hub (with and without XLA;
 ours is compared with its faster) and timm (PyTorch eager, in a child
-process) is measured too, with the ratios ours / peer. The peers are the
-optional `bench` extra.
+process, on the GPU when the backend computes on one) is measured too, with
+the ratios ours / peer. The peers are the optional `bench` extra. These modes
+and `attention` also run on the JAX backend without TensorFlow installed
+(`KERAS_BACKEND=jax`); the others need TensorFlow.
+
+`attention`: the model's forward pass (compiled: XLA on JAX, a tf.function
+with --jit's choice on TensorFlow) with attention as
+`keras.ops.dot_product_attention` (cuDNN's fused attention on an NVIDIA GPU
+under JAX) and as explicit batched matmuls and softmax: the largest
+difference between their outputs, and each one's time, interleaved, median of
+--repeats; on JAX, whether the compiled program calls a cuDNN attention kernel.
 
 `profile`: where an inference batch's time goes without XLA, per TensorFlow op
 type (oneDNN's fused matmuls, batched matmuls of the attention, element-wise
@@ -35,6 +46,7 @@ TFLite flavour (float32, float16, dynamic-range, int8; LiteRT interpreter with
 as many threads as cores), with each one's ratio to the Keras model.
 """
 
+import functools
 import os
 import platform
 import statistics
@@ -43,13 +55,20 @@ import time
 
 import keras
 import numpy as np
-import tensorflow as tf
 from absl import app, flags
+
+try:
+    import tensorflow as tf
+except ImportError:  # The JAX or PyTorch backend without TensorFlow: infer and train only.
+    tf = None
 
 import keras_vit
 
 _MODE = flags.DEFINE_enum(
-    "mode", "infer", ["infer", "train", "profile", "patch_projection", "serving"], "What to measure."
+    "mode",
+    "infer",
+    ["infer", "train", "attention", "profile", "patch_projection", "serving"],
+    "What to measure.",
 )
 _VARIANT = flags.DEFINE_string("variant", "B/16", "ViT variant, e.g. B/16.")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "Square image size in pixels.")
@@ -81,9 +100,18 @@ def time_calls(functions, inputs, repeats):
 
 
 def timed(function, argument):
-    """Seconds of one call, its result brought to the host."""
+    """Seconds of one call, until its result is computed.
+
+    A JAX array is waited for where it is (an accelerator's result can be
+    larger than the call's own time to copy back); others are brought to the
+    host.
+    """
     start = time.perf_counter()
-    keras.ops.convert_to_numpy(function(argument))
+    result = function(argument)
+    if hasattr(result, "block_until_ready"):
+        result.block_until_ready()
+    else:
+        keras.ops.convert_to_numpy(result)
     return time.perf_counter() - start
 
 
@@ -164,7 +192,14 @@ def serving(variant, image_size, repeats):
 # === infer / train ===
 
 
-def cpu_name():
+def machine_name():
+    """The accelerator the backend computes on, else the CPU's model name."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        device = jax.devices()[0]
+        if device.platform != "cpu":
+            return f"{jax.device_count()} x {device.device_kind} ({device.platform})"
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -179,7 +214,7 @@ def _square(a):
     return a @ a
 
 
-def matmul_peak_functions(dtype, size=2048):
+def matmul_peak_functions(dtype, size):
     """{name: (function, its input)} each running one size^3 matmul at `dtype`; FLOPs per call."""
     if keras.backend.backend() == "tensorflow":
         a = tf.cast(tf.random.stateless_normal((size, size), seed=(0, 0)), dtype)
@@ -190,20 +225,25 @@ def matmul_peak_functions(dtype, size=2048):
             )
             for jit in (False, True)
         }
-    else:  # JAX compiles everything with XLA.
+    elif keras.backend.backend() == "jax":  # JAX compiles everything with XLA.
         import jax
 
         a = jax.numpy.asarray(np.random.default_rng(0).normal(size=(size, size)), dtype)
         functions = {"matmul XLA": (jax.jit(_square), a)}
+    else:
+        a = keras.ops.convert_to_tensor(np.random.default_rng(0).normal(size=(size, size)), dtype)
+        functions = {"matmul": (_square, a)}
     return functions, 2 * size**3
 
 
 def keras_contender(model, mode, images, labels, batch_size, jit_compile):
     """A function (steps -> seconds) running `predict` or `fit` on `steps` batches.
 
-    The batches come from a tf.data pipeline over tensors already in memory,
-    the input a TensorFlow user gives `fit`; NumPy arrays would add Keras'
-    per-call array slicing pipeline (~40 ms) to every call.
+    On TensorFlow the batches come from a tf.data pipeline over tensors
+    already in memory, the input a TensorFlow user gives `fit`; NumPy arrays
+    would add Keras' per-call array slicing pipeline (~40 ms) to every call.
+    On the other backends they are backend tensors made once, so an
+    accelerator's batches are already on it (as timm's are in its worker).
     """
     if mode == "train":
         model.compile(
@@ -211,18 +251,30 @@ def keras_contender(model, mode, images, labels, batch_size, jit_compile):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             jit_compile=jit_compile,
         )
-        data = tf.data.Dataset.from_tensor_slices((tf.constant(images), tf.constant(labels)))
     else:
         model.compile(jit_compile=jit_compile)
-        data = tf.data.Dataset.from_tensor_slices(tf.constant(images))
-    data = data.batch(batch_size, drop_remainder=True)
+    if keras.backend.backend() == "tensorflow":
+        data = tf.data.Dataset.from_tensor_slices(
+            (tf.constant(images), tf.constant(labels)) if mode == "train" else tf.constant(images)
+        ).batch(batch_size, drop_remainder=True)
+
+        def inputs(steps):
+            return {"x": data.take(steps)}
+    else:
+        x, y = keras.ops.convert_to_tensor(images), keras.ops.convert_to_tensor(labels)
+
+        def inputs(steps):
+            batch = {"x": x[: steps * batch_size], "batch_size": batch_size}
+            if mode == "train":
+                batch.update(y=y[: steps * batch_size], shuffle=False)
+            return batch
 
     def run(steps):
         start = time.perf_counter()
         if mode == "train":
-            model.fit(data.take(steps), epochs=1, verbose=0)
+            model.fit(epochs=1, verbose=0, **inputs(steps))
         else:
-            model.predict(data.take(steps), verbose=0)
+            model.predict(verbose=0, **inputs(steps))
         return time.perf_counter() - start
 
     return run
@@ -236,6 +288,7 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
     if unknown:
         raise SystemExit(f"--compare takes a subset of {list(PEERS)}. Received: {unknown}")
     num_classes = 1000
+    accelerator = keras_vit.training.accelerator()
     config = keras_vit.parse_variant(variant)
     flops = keras_vit.flops.count_flops(
         variant, image_size=image_size, num_classes=num_classes, training=mode == "train"
@@ -266,29 +319,42 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
         float32_name = add_keras("keras_vit float32", ours32, jit32)
     workers = []
     if "keras_hub" in compare:
-        for hub_jit in (False, True):
+        # Without XLA is TensorFlow's graph mode; the JAX backend always compiles.
+        for hub_jit in (False, True) if keras.backend.backend() == "tensorflow" else (True,):
             add_keras("keras_hub", peers.keras_hub_model(config, image_size, num_classes, precision), hub_jit)
     if "timm" in compare:
-        worker = peers.TimmWorker(config, image_size, batch_size, num_classes, mode, precision)
+        device = "cuda" if accelerator == "gpu" else "cpu"
+        worker = peers.TimmWorker(config, image_size, batch_size, num_classes, mode, precision, device)
         workers.append(worker)
-        contenders["timm (PyTorch eager)"] = (worker, worker.parameters)
+        contenders[f"timm (PyTorch eager, {device})"] = (worker, worker.parameters)
     dtype = "bfloat16" if precision == "mixed_bfloat16" else "float32"
-    matmuls, matmul_flops = matmul_peak_functions(dtype)
+    # An accelerator needs a larger product to reach its peak than a CPU core.
+    matmul_size = 2048 if accelerator == "cpu" else 8192
+    matmuls, matmul_flops = matmul_peak_functions(dtype, matmul_size)
 
-    # === Warm-up (compilation), then interleaved repetitions ===
+    # === Matmul peak, warm-up (compilation), interleaved repetitions, matmul peak ===
+    # The peak is timed before and after the repetitions, not between them:
+    # on the CPU the next calls after the matmuls ran slower (JAX: 55 ms
+    # instead of 8 for a small model's call, half a second later).
+    peaks = {name: [] for name in matmuls}
+
+    def time_peaks():
+        for name, (function, argument) in matmuls.items():
+            for _ in range(3):
+                peaks[name].append(matmul_flops / min(timed(function, argument) for _ in range(3)))
+
     try:
+        for function, argument in matmuls.values():
+            timed(function, argument)
+        time_peaks()
         for run, _ in contenders.values():
             run(1)
-        for function, argument in matmuls.values():
-            for _ in range(3):
-                timed(function, argument)
         rates = {name: [] for name in contenders}
-        peaks = {name: [] for name in matmuls}
-        for _ in range(repeats):
-            for name, (function, argument) in matmuls.items():
-                peaks[name].append(matmul_flops / min(timed(function, argument) for _ in range(3)))
-            for name, (run, _) in contenders.items():
-                rates[name].append(steps * batch_size / run(steps))
+        names = list(contenders)
+        for repeat in range(repeats):  # Each repetition starts with the next contender.
+            for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+                rates[name].append(steps * batch_size / contenders[name][0](steps))
+        time_peaks()
     finally:
         for worker in workers:
             worker.close()
@@ -303,7 +369,7 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
         f"--jit={jit} ({'XLA' if jit_compile else 'no XLA'} for keras_vit), backend {keras.backend.backend()}"
     )
     print(
-        f"Machine: {cpu_name()}, {os.cpu_count()} cores. Median of {repeats} interleaved "
+        f"Machine: {machine_name()}, {os.cpu_count()} CPU cores. Median of {repeats} interleaved "
         f"repetitions of {steps} batches each, after a warm-up."
     )
     print(
@@ -311,7 +377,7 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
         f"matmuls and convolutions, multiply-add = 2)"
     )
     print(
-        f"Matmul peak ({dtype} 2048^3): "
+        f"Matmul peak ({dtype} {matmul_size}^3): "
         + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peak_by_kind.items())
         + f"; roofline {peak / 1e9:.0f} GFLOP/s"
     )
@@ -327,6 +393,69 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
         best = max((rate, name) for name, rate in median.items() if name.startswith(peer))
         print(f"keras_vit / {peer}: {median[ours_name] / best[0]:.2f}x (against {best[1]}, its faster)")
     return median
+
+
+# === attention ===
+
+
+def randomized(model, seed=0):
+    """`model` with every weight drawn from N(0, 0.02): zero biases would be
+    constant-folded away, and identical outputs could hide a wrong path."""
+    rng = np.random.default_rng(seed)
+    for weight in model.weights:
+        weight.assign(rng.normal(0.0, 0.02, weight.shape).astype(weight.dtype))
+    return model
+
+
+def compiled_forward(model, jit_compile):
+    """A function images -> logits running `model`'s inference forward pass compiled."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        trainable = [v.value for v in model.trainable_variables]
+        fixed = [v.value for v in model.non_trainable_variables]
+        forward = jax.jit(lambda t, n, x: model.stateless_call(t, n, x, training=False)[0])
+        function = functools.partial(forward, trainable, fixed)
+        function.lowered = lambda x: forward.lower(trainable, fixed, x)
+        return function
+    if keras.backend.backend() == "tensorflow":
+        return tf.function(lambda x: model(x, training=False), jit_compile=jit_compile)
+    return lambda x: model(x, training=False)
+
+
+def attention(variant, image_size, batch_size, precision, jit, repeats):
+    """Fused vs explicit attention in the whole model; returns (max |difference|, {form: seconds})."""
+    keras.mixed_precision.set_dtype_policy(precision)
+    model = randomized(keras_vit.build_vit(variant, image_size=image_size, num_classes=1000))
+    jit_compile = keras_vit.training.resolve_jit_compile(jit, precision, training=False)
+    rng = np.random.default_rng(1)
+    images = keras.ops.convert_to_tensor(
+        rng.uniform(0, 255, (batch_size, image_size, image_size, 3)).astype("float32")
+    )
+    functions, outputs, kernels = {}, {}, {}
+    for form, fused in (("fused", True), ("explicit", False)):
+        function = compiled_forward(model, jit_compile)
+        with keras_vit.layers.fused_attention(fused):  # Traced here, on the first call.
+            outputs[form] = keras.ops.convert_to_numpy(function(images)).astype("float32")
+            if hasattr(function, "lowered"):
+                program = function.lowered(images).compile().as_text()
+                kernels[form] = "cudnn" in program and ("fmha" in program or "fused_attention" in program)
+        functions[form] = function
+    medians = time_calls(functions, images, repeats)
+    difference = float(np.max(np.abs(outputs["fused"] - outputs["explicit"])))
+    print(
+        f"{variant} inference at {image_size} px, batch {batch_size}, {precision}, backend "
+        f"{keras.backend.backend()} on {machine_name()}, {'XLA' if jit_compile else 'no XLA'}"
+    )
+    print(
+        f"Largest |fused - explicit| of the logits: {difference:.3g} "
+        f"(largest |logit| {float(np.max(np.abs(outputs['explicit']))):.3g})"
+    )
+    for form, seconds in medians.items():
+        kernel = f", cuDNN attention kernel: {'yes' if kernels[form] else 'no'}" if form in kernels else ""
+        print(f"  {form:9s} {1000 * seconds:9.2f} ms  {batch_size / seconds:10.1f} images/s{kernel}")
+    print(f"fused / explicit speed: {medians['explicit'] / medians['fused']:.2f}x")
+    return difference, medians
 
 
 # === profile ===
@@ -376,10 +505,8 @@ def profile(variant, image_size, batch_size, precision, repeats):
     import collections
 
     keras.mixed_precision.set_dtype_policy(precision)
-    model = keras_vit.build_vit(variant, image_size=image_size, num_classes=1000)
+    model = randomized(keras_vit.build_vit(variant, image_size=image_size, num_classes=1000))
     rng = np.random.default_rng(0)
-    for weight in model.weights:  # Zero biases would be constant-folded away.
-        weight.assign(rng.normal(0.0, 0.02, weight.shape).astype(weight.dtype))
     images = rng.uniform(0, 255, (batch_size, image_size, image_size, 3)).astype("float32")
     seconds = collections.Counter()
     for op, value in traced_op_times(lambda x: model(x, training=False), images, repeats):
@@ -401,12 +528,18 @@ def main(argv):
     del argv
     keras.utils.set_random_seed(0)
     mode = _MODE.value
+    if tf is None and mode not in ("infer", "train", "attention"):
+        raise SystemExit(
+            f"--mode={mode} needs TensorFlow; without it --mode=infer, train and attention run."
+        )
     repeats = _REPEATS.value or (5 if mode in ("infer", "train", "profile") else 30)
     if mode in ("infer", "train"):
         throughput(
             _VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, mode, _PRECISION.value,
             _JIT.value, _COMPARE.value, repeats, _STEPS.value,
         )  # fmt: skip
+    elif mode == "attention":
+        attention(_VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, _PRECISION.value, _JIT.value, repeats)
     elif mode == "profile":
         profile(_VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, _PRECISION.value, repeats)
     elif mode == "patch_projection":

@@ -40,6 +40,7 @@ def require(module, package):
 def keras_hub_model(config, image_size, num_classes, precision):
     """keras-hub's ViT classifier with `config`'s architecture."""
     require("keras_hub", "keras-hub")
+    import keras
     import keras_hub
 
     if config.resnet_layers is not None or config.patch_size[0] != config.patch_size[1]:
@@ -53,15 +54,21 @@ def keras_hub_model(config, image_size, num_classes, precision):
         mlp_dim=config.mlp_dim,
         dtype=precision,
     )
-    return keras_hub.models.ViTImageClassifier(
+    classifier = keras_hub.models.ViTImageClassifier(
         backbone=backbone, num_classes=num_classes, dtype=precision
     )
+    if keras.backend.backend() == "tensorflow":
+        return classifier
+    # keras-hub's `predict` and `fit` build a tf.data or Grain pipeline even
+    # without a preprocessor; elsewhere its layers, as a functional Model, run
+    # under the same Keras loop as ours.
+    return keras.Model(classifier.inputs, classifier.outputs)
 
 
 class TimmWorker:
     """A timm ViT in a child process, driven one round of batches at a time."""
 
-    def __init__(self, config, image_size, batch_size, num_classes, mode, precision):
+    def __init__(self, config, image_size, batch_size, num_classes, mode, precision, device="cpu"):
         if config.resnet_layers is not None:
             raise SystemExit("The timm comparison covers plain ViTs only, not hybrids.")
         require("timm", "timm")  # A clear error here rather than in the child.
@@ -71,7 +78,7 @@ class TimmWorker:
             f"--num_heads={config.num_heads}", f"--mlp_dim={config.mlp_dim}",
             f"--patch_size={config.patch_size[0]}", f"--image_size={image_size}",
             f"--batch_size={batch_size}", f"--num_classes={num_classes}",
-            f"--mode={mode}", f"--precision={precision}",
+            f"--mode={mode}", f"--precision={precision}", f"--device={device}",
         ]  # fmt: skip
         self.process = subprocess.Popen(
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
@@ -106,6 +113,7 @@ def _worker_arguments(argv):
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--mode", choices=("infer", "train"), required=True)
     parser.add_argument("--precision", choices=("float32", "mixed_bfloat16"), required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     return parser.parse_args(argv)
 
 
@@ -124,13 +132,18 @@ def timm_worker(argv):
         num_heads=f.num_heads,
         mlp_ratio=f.mlp_dim / f.hidden_dim,
         num_classes=f.num_classes,
-    )
+    ).to(f.device)
     rng = np.random.default_rng(0)
     images = torch.from_numpy(
         rng.uniform(-1, 1, (f.batch_size, 3, f.image_size, f.image_size)).astype(np.float32)
-    )
-    labels = torch.from_numpy(rng.integers(0, f.num_classes, f.batch_size))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=f.precision == "mixed_bfloat16")
+    ).to(f.device)
+    labels = torch.from_numpy(rng.integers(0, f.num_classes, f.batch_size)).to(f.device)
+    autocast = torch.autocast(f.device, dtype=torch.bfloat16, enabled=f.precision == "mixed_bfloat16")
+
+    def synchronize():  # CUDA kernels run asynchronously: a timing waits for them.
+        if f.device == "cuda":
+            torch.cuda.synchronize()
+
     if f.mode == "train":
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -155,6 +168,7 @@ def timm_worker(argv):
         start = time.perf_counter()
         for _ in range(steps):
             step()
+        synchronize()
         print(time.perf_counter() - start, flush=True)
 
 

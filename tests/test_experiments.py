@@ -154,6 +154,67 @@ def test_throughput_benchmark_runs(mode):
     assert peak and int(peak[1]) > 0, stdout
 
 
+def _fused_explicit_difference(stdout):
+    found = re.search(r"Largest \|fused - explicit\| of the logits: (\S+) \(largest \|logit\| (\S+)\)", stdout)
+    assert found and re.search(r"fused / explicit speed: [\d.]+x", stdout), stdout
+    return float(found[1]), float(found[2])
+
+
+def test_attention_benchmark_runs():
+    stdout = run_module(
+        "experiments.benchmark", "--mode=attention", "--variant=testing", "--image_size=32",
+        "--batch_size=2", "--repeats=2",
+    )  # fmt: skip
+    difference, largest = _fused_explicit_difference(stdout)
+    assert largest > 0 and difference <= 1e-5 * max(1.0, largest)
+
+
+# The JAX backend with TensorFlow hidden (as on a GPU machine without it): every
+# `import tensorflow` fails.
+WITHOUT_TENSORFLOW = """
+import runpy, sys
+
+class HideTensorFlow:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "tensorflow":
+            raise ImportError(f"{name} is hidden")
+
+sys.meta_path.insert(0, HideTensorFlow())
+sys.argv = ["benchmark"] + sys.argv[1:]
+try:
+    runpy.run_module("experiments.benchmark", run_name="__main__")
+finally:
+    print("TensorFlow imported:", "tensorflow" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("mode", ["infer", "train", "attention"])
+def test_benchmark_on_jax_without_tensorflow(mode):
+    """The model, `predict`/`fit` and the benchmark run on JAX with no TensorFlow importable; the
+    attention as `jax.nn.dot_product_attention` (JAX's own formulation) matches the explicit form."""
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TENSORFLOW, f"--mode={mode}", "--variant=testing",
+         "--image_size=32", "--batch_size=2", "--repeats=2", "--steps=2"],
+        cwd=ROOT, env=dict(os.environ, KERAS_BACKEND="jax"), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "backend jax" in result.stdout and "TensorFlow imported: False" in result.stdout, result.stdout
+    if mode == "attention":
+        difference, largest = _fused_explicit_difference(result.stdout)
+        assert largest > 0 and difference <= 1e-5 * max(1.0, largest)
+    else:
+        assert re.search(r"keras_vit \(XLA\)\s+[\d,]+\s+[\d.]+", result.stdout), result.stdout
+
+
+def test_benchmark_modes_that_need_tensorflow_say_so():
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TENSORFLOW, "--mode=profile", "--variant=testing"],
+        cwd=ROOT, env=dict(os.environ, KERAS_BACKEND="jax"), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "--mode=profile needs TensorFlow; without it --mode=infer, train and attention run." in result.stderr
+
+
 def test_benchmark_rejects_unknown_peers_and_names_the_missing_extra():
     def run(*args):
         return subprocess.run(
