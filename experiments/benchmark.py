@@ -87,6 +87,12 @@ _COMPARE = flags.DEFINE_list("compare", [], "infer/train: peers to measure, of k
 PEERS = ("keras_hub", "timm")
 
 
+# A pause before each timed call, so that no thread pool of the previous one
+# (TensorFlow's, XLA's, PyTorch's OpenMP threads in the timm worker) still
+# spins on the cores.
+SETTLE_SECONDS = 0.5
+
+
 def time_calls(functions, inputs, repeats):
     """Median seconds per call of each function, calls interleaved, after warm-up."""
     for fn in functions.values():
@@ -353,6 +359,7 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
         names = list(contenders)
         for repeat in range(repeats):  # Each repetition starts with the next contender.
             for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+                time.sleep(SETTLE_SECONDS)
                 rates[name].append(steps * batch_size / contenders[name][0](steps))
         time_peaks()
     finally:
