@@ -392,6 +392,10 @@ class MultiHeadSelfAttention(keras.layers.Layer):
 
     The query, key and value projections are one matmul with a
     (hidden, 3 * hidden) kernel.  Softmax runs in float32 under mixed precision.
+    On a GPU or TPU with a backend other than TensorFlow the attention itself
+    is `keras.ops.dot_product_attention` (a fused kernel where the backend has
+    one, see `_fused_attention_path`), unless scores are returned or attention
+    dropout is active.
 
     Args:
         num_heads: number of heads; the input width must be divisible by it.
