@@ -101,6 +101,16 @@ _TRACING = threading.local()
 
 
 @contextlib.contextmanager
+def _tracing_setting(name, value):
+    """Sets `name` for the layers traced on this thread within it, then restores it."""
+    previous = getattr(_TRACING, name, None)
+    setattr(_TRACING, name, value)
+    try:
+        yield
+    finally:
+        setattr(_TRACING, name, previous)
+
+
 def portable_ops():
     """Layers called within it trace with ops that every runtime and converter knows.
 
@@ -109,15 +119,9 @@ def portable_ops():
     cuDNN's minimum, which TFLite and ONNX do not convert and a GPU would not
     run.
     """
-    previous = getattr(_TRACING, "portable", False)
-    _TRACING.portable = True
-    try:
-        yield
-    finally:
-        _TRACING.portable = previous
+    return _tracing_setting("portable", True)
 
 
-@contextlib.contextmanager
 def fused_attention(enabled):
     """Attention traced within it is `keras.ops.dot_product_attention` (True)
     or the explicit batched matmuls and softmax (False), on any backend,
@@ -125,12 +129,7 @@ def fused_attention(enabled):
     two (`python -m experiments.benchmark --mode=attention`); both compute
     the same function.
     """
-    previous = getattr(_TRACING, "fused_attention", None)
-    _TRACING.fused_attention = bool(enabled)
-    try:
-        yield
-    finally:
-        _TRACING.fused_attention = previous
+    return _tracing_setting("fused_attention", bool(enabled))
 
 
 @functools.lru_cache(maxsize=None)
