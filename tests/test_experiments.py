@@ -188,15 +188,20 @@ finally:
 """
 
 
+def run_benchmark_without_tensorflow(*args):
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_TENSORFLOW, "--variant=testing", *args],
+        cwd=ROOT, env=dict(os.environ, KERAS_BACKEND="jax"), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("mode", ["infer", "train", "attention"])
 def test_benchmark_on_jax_without_tensorflow(mode):
     """The model, `predict`/`fit` and the benchmark run on JAX with no TensorFlow importable; the
     attention as `jax.nn.dot_product_attention` (JAX's own formulation) matches the explicit form."""
-    result = subprocess.run(
-        [sys.executable, "-c", WITHOUT_TENSORFLOW, f"--mode={mode}", "--variant=testing",
-         "--image_size=32", "--batch_size=2", "--repeats=2", "--steps=2"],
-        cwd=ROOT, env=dict(os.environ, KERAS_BACKEND="jax"), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    result = run_benchmark_without_tensorflow(
+        f"--mode={mode}", "--image_size=32", "--batch_size=2", "--repeats=2", "--steps=2"
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "backend jax" in result.stdout and "TensorFlow imported: False" in result.stdout, result.stdout
     if mode == "attention":
@@ -207,10 +212,7 @@ def test_benchmark_on_jax_without_tensorflow(mode):
 
 
 def test_benchmark_modes_that_need_tensorflow_say_so():
-    result = subprocess.run(
-        [sys.executable, "-c", WITHOUT_TENSORFLOW, "--mode=profile", "--variant=testing"],
-        cwd=ROOT, env=dict(os.environ, KERAS_BACKEND="jax"), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = run_benchmark_without_tensorflow("--mode=profile")
     assert result.returncode != 0
     assert "--mode=profile needs TensorFlow; without it --mode=infer, train and attention run." in result.stderr
 
