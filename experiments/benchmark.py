@@ -59,7 +59,7 @@ from absl import app, flags
 
 try:
     import tensorflow as tf
-except ImportError:  # The JAX or PyTorch backend without TensorFlow: infer and train only.
+except ImportError:  # The JAX or PyTorch backend without TensorFlow: infer, train and attention.
     tf = None
 
 import keras_vit
@@ -74,7 +74,7 @@ _VARIANT = flags.DEFINE_string("variant", "B/16", "ViT variant, e.g. B/16.")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "Square image size in pixels.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Images per batch.")
 _REPEATS = flags.DEFINE_integer(
-    "repeats", None, "Timed repetitions (default: 5 for infer/train, 30 for the others)."
+    "repeats", None, "Timed repetitions (default: 5 for infer, train and profile, 30 for the others)."
 )
 _STEPS = flags.DEFINE_integer("steps", 2, "infer/train: batches per timed repetition.")
 _PRECISION = flags.DEFINE_enum(
