@@ -260,9 +260,20 @@ def keras_contender(model, mode, images, labels, batch_size, jit_compile):
     else:
         model.compile(jit_compile=jit_compile)
     if keras.backend.backend() == "tensorflow":
-        data = tf.data.Dataset.from_tensor_slices(
-            (tf.constant(images), tf.constant(labels)) if mode == "train" else tf.constant(images)
-        ).batch(batch_size, drop_remainder=True)
+        # tf.data's autotuning is off: with it on, deleting the iterator at the
+        # end of a `predict` or `fit` call (each timed call makes one) blocked
+        # for 170-200 ms in about one call of three (profiled: Ti/16, whose two
+        # batches take ~0.42 s), a cost of the harness, not of the model, that
+        # timm's loop does not pay. The batches are in memory either way.
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        data = (
+            tf.data.Dataset.from_tensor_slices(
+                (tf.constant(images), tf.constant(labels)) if mode == "train" else tf.constant(images)
+            )
+            .batch(batch_size, drop_remainder=True)
+            .with_options(options)
+        )
 
         def inputs(steps):
             return {"x": data.take(steps)}
