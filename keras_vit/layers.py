@@ -459,7 +459,13 @@ class MultiHeadSelfAttention(keras.layers.Layer):
             )
             return dense(ops.reshape(attended, (-1, tokens, hidden)), self.output_kernel, self.output_bias)
         qkv = ops.transpose(qkv, (2, 0, 3, 1, 4))  # (3, batch, heads, tokens, head_dim)
-        query, key, value = qkv[0], qkv[1], qkv[2]
+        if training:
+            # The gradient of unstack is one stack; indexing's is, per index, a zero
+            # tensor the size of qkv with the slice written in, then a sum of the three
+            # (13% of an S/16 training step on a CPU without XLA; XLA fused either).
+            query, key, value = ops.unstack(qkv, 3, axis=0)
+        else:
+            query, key, value = qkv[0], qkv[1], qkv[2]
         query = query * ops.cast(1.0 / math.sqrt(head_dim), dtype)
         logits = ops.matmul(query, ops.swapaxes(key, -1, -2))
         # Softmax in float32: bfloat16 has 8 bits of mantissa, too few for
