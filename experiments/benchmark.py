@@ -4,6 +4,7 @@ r"""Benchmarks of keras_vit on this machine.
         --precision=float32 --jit=auto --compare=keras_hub,timm
     python -m experiments.benchmark --mode=train --variant=S/16
     python -m experiments.benchmark --mode=profile --variant=B/16
+    python -m experiments.benchmark --mode=train_profile --variant=S/16
     python -m experiments.benchmark --mode=patch_projection --variant=B/16 --batch_size=16
     python -m experiments.benchmark --mode=serving --variant=Ti/16 --image_size=224
 
@@ -34,6 +35,13 @@ difference between their outputs, and each one's time, interleaved, median of
 `profile`: where an inference batch's time goes without XLA, per TensorFlow op
 type (oneDNN's fused matmuls, batched matmuls of the attention, element-wise
 ops), with the achieved FLOP/s of the whole batch.
+
+`train_profile`: where an XLA-compiled training step's time goes (TensorFlow,
+float32; the step `fit` runs): each op of the compiled program, timed by the
+profiler, grouped into matmuls (dot and convolution, alone or fused) and, by
+the layer each op came from, the rest; with the matmuls' GFLOP/s against the
+matmul peaks measured in the same process, and the step time the matmuls
+alone would take at each peak.
 
 `patch_projection`: the patch embedding as a strided conv versus patch cutting
 plus one matmul (`PatchEncoder(projection=...)`), same weights, with and
@@ -67,14 +75,16 @@ import keras_vit
 _MODE = flags.DEFINE_enum(
     "mode",
     "infer",
-    ["infer", "train", "attention", "profile", "patch_projection", "serving"],
+    ["infer", "train", "attention", "profile", "train_profile", "patch_projection", "serving"],
     "What to measure.",
 )
 _VARIANT = flags.DEFINE_string("variant", "B/16", "ViT variant, e.g. B/16.")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "Square image size in pixels.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Images per batch.")
 _REPEATS = flags.DEFINE_integer(
-    "repeats", None, "Timed repetitions (default: 5 for infer, train and profile, 30 for the others)."
+    "repeats",
+    None,
+    "Timed repetitions (default: 5 for infer, train, profile and train_profile, 30 for the others).",
 )
 _STEPS = flags.DEFINE_integer("steps", 2, "infer/train: batches per timed repetition.")
 _PRECISION = flags.DEFINE_enum(
@@ -542,6 +552,163 @@ def profile(variant, image_size, batch_size, precision, repeats):
     return seconds
 
 
+# === train_profile ===
+
+# What an op of the compiled training step belongs to, by the name of the
+# TensorFlow op it was lowered from (the HLO metadata's op_name), first match.
+_STEP_PARTS = (
+    ("optimizer (AdamW update)", ("adam", "optimizer")),
+    ("layer norms", ("norm",)),
+    ("attention: softmax, scaling, q/k/v layout", ("attention",)),
+    ("blocks: GELU, biases, residual sums", ("encoderblock",)),
+)
+
+
+def _hlo_instructions(hlo):
+    """{instruction name: (is a matmul, op_name)} of an HLO module's text.
+
+    A matmul is a dot or a convolution, or a fusion or call whose computation
+    (directly or through the computations it calls) holds one.
+    """
+    import re
+
+    computations, current = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
+        if header and "=" not in line.split("{")[0]:
+            current = computations.setdefault(header.group(1), [])
+            continue
+        instruction = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$", line)
+        if instruction is None or current is None:
+            continue
+        rest = instruction.group(2)
+        if rest.startswith("("):  # A tuple type: skip to its closing parenthesis.
+            depth = 0
+            for end, char in enumerate(rest):
+                depth += {"(": 1, ")": -1}.get(char, 0)
+                if depth == 0:
+                    break
+            rest = rest[end + 1 :].lstrip()
+        else:
+            rest = rest.split(" ", 1)[1] if " " in rest else ""
+        opcode = rest.split("(", 1)[0].strip()
+        called = re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", rest)
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        current.append((instruction.group(1), opcode, called, op_name.group(1) if op_name else ""))
+
+    holds_matmul = {}
+
+    def matmul_in(computation, seen=()):
+        if computation not in holds_matmul:
+            holds_matmul[computation] = any(
+                opcode in ("dot", "convolution")
+                or any(c not in seen and matmul_in(c, (*seen, computation)) for c in called)
+                for _, opcode, called, _ in computations.get(computation, [])
+            )
+        return holds_matmul[computation]
+
+    return {
+        name: (opcode in ("dot", "convolution") or any(matmul_in(c) for c in called), op_name)
+        for instructions in computations.values()
+        for name, opcode, called, op_name in instructions
+    }
+
+
+def _profiled_event_seconds(function, argument, repeats):
+    """{event name: seconds} of `repeats` calls of `function` under TensorFlow's profiler."""
+    import collections
+    import glob
+
+    try:
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    except ImportError as error:
+        raise SystemExit(f"--mode=train_profile reads TensorFlow's profiler output: {error}")
+    seconds = collections.Counter()
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            for _ in range(repeats):
+                timed(function, argument)
+        finally:
+            tf.profiler.experimental.stop()
+        for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
+            space = xplane_pb2.XSpace()
+            with open(path, "rb") as f:
+                space.ParseFromString(f.read())
+            for plane in space.planes:
+                for line in plane.lines:
+                    for event in line.events:
+                        seconds[plane.event_metadata[event.metadata_id].name] += event.duration_ps / 1e12
+    return seconds
+
+
+def train_profile(variant, image_size, batch_size, repeats):
+    """Op time per part of an XLA-compiled float32 training step; returns {part: seconds per step}."""
+    import collections
+
+    keras.mixed_precision.set_dtype_policy("float32")
+    model = keras_vit.build_vit(variant, image_size=image_size, num_classes=1000)
+    model.compile(
+        optimizer=keras.optimizers.AdamW(1e-4),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    rng = np.random.default_rng(0)
+    batch = (
+        tf.constant(rng.uniform(0, 255, (batch_size, image_size, image_size, 3)).astype("float32")),
+        tf.constant(rng.integers(0, 1000, batch_size)),
+    )
+    step = tf.function(model.train_step, jit_compile=True)
+    instructions = _hlo_instructions(step.experimental_get_compiler_ir(batch)(stage="optimized_hlo"))
+    seconds_per_step = statistics.median(timed(step, batch) for _ in range(repeats + 1))
+    events = _profiled_event_seconds(step, batch, repeats)
+
+    parts = collections.Counter()
+    for name, seconds in events.items():
+        if name not in instructions:
+            continue  # The runtime's own events (executor, thunk executor, tf.data).
+        is_matmul, op_name = instructions[name]
+        if is_matmul:
+            parts["matmuls (dot, convolution)"] += seconds / repeats
+            continue
+        lowered = op_name.lower()
+        part = next((part for part, keys in _STEP_PARTS if any(key in lowered for key in keys)), None)
+        parts[part or "other: patch embedding, head, loss, gradient sums"] += seconds / repeats
+    if not parts:
+        raise SystemExit(
+            "The profile holds no op of the compiled step: this TensorFlow's XLA records none "
+            "(XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true asks it to)."
+        )
+    total = sum(parts.values())
+    matmul_seconds = parts["matmuls (dot, convolution)"]
+    flops = keras_vit.flops.count_flops(variant, image_size=image_size, training=True) * batch_size
+    matmuls, matmul_flops = matmul_peak_functions("float32", 2048)
+    peaks = {}
+    for name, (function, argument) in matmuls.items():
+        timed(function, argument)
+        peaks[name] = matmul_flops / statistics.median(timed(function, argument) for _ in range(5))
+    print(
+        f"{variant} training step (AdamW) at {image_size} px, batch {batch_size}, float32, XLA: "
+        f"{seconds_per_step:.3f} s per step ({batch_size / seconds_per_step:.2f} images/s, median of "
+        f"{repeats + 1}); op time per part, mean of {repeats} profiled steps: {total:.3f} s"
+    )
+    for part, value in parts.most_common():
+        print(f"  {part:48s} {1000 * value:9.1f} ms {100 * value / total:6.1f}%")
+    print(
+        f"Matmuls: {flops / 1e9:.1f} GFLOP per step at {flops / matmul_seconds / 1e9:.0f} GFLOP/s; "
+        "peak (float32 2048^3) "
+        + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())
+    )
+    rest = total - matmul_seconds
+    for name, value in peaks.items():
+        alone = flops / value
+        print(
+            f"At the {name} peak the matmuls alone take {alone:.3f} s per step ({batch_size / alone:.2f} "
+            f"images/s); with the rest as profiled, {alone + rest:.3f} s ({batch_size / (alone + rest):.2f} "
+            "images/s)"
+        )
+    return parts
+
+
 def main(argv):
     del argv
     keras.utils.set_random_seed(0)
@@ -550,7 +717,12 @@ def main(argv):
         raise SystemExit(
             f"--mode={mode} needs TensorFlow; without it --mode=infer, train and attention run."
         )
-    repeats = _REPEATS.value or (5 if mode in ("infer", "train", "profile") else 30)
+    if mode == "train_profile":
+        # XLA's CPU runtime names each op of the compiled program to the profiler only when asked;
+        # it reads the flags when it first compiles, which is after this.
+        flags_now = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags_now} --xla_cpu_enable_xprof_traceme=true".strip()
+    repeats = _REPEATS.value or (5 if mode in ("infer", "train", "profile", "train_profile") else 30)
     if mode in ("infer", "train"):
         throughput(
             _VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, mode, _PRECISION.value,
@@ -560,6 +732,8 @@ def main(argv):
         attention(_VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, _PRECISION.value, _JIT.value, repeats)
     elif mode == "profile":
         profile(_VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, _PRECISION.value, repeats)
+    elif mode == "train_profile":
+        train_profile(_VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, repeats)
     elif mode == "patch_projection":
         patch_projection(_VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, repeats)
     elif mode == "serving":

@@ -136,6 +136,60 @@ def test_benchmark_runs():
         assert name in stdout
 
 
+def test_train_profile_splits_the_compiled_step_into_matmuls_and_layers():
+    """That it works and accounts for the step, not how fast."""
+    stdout = run_module(
+        "experiments.benchmark", "--mode=train_profile", "--variant=testing", "--image_size=32",
+        "--batch_size=2", "--repeats=2",
+    )  # fmt: skip
+    row = r"^  (\S.*?)\s+[\d.]+ ms\s+([\d.]+)%$"
+    shares = {name.strip(): float(share) for name, share in re.findall(row, stdout, re.M)}
+    # Every part of the step had ops that the profiler timed, and the parts add up.
+    assert {"matmuls (dot, convolution)", "layer norms", "optimizer (AdamW update)"} <= set(shares), stdout
+    assert {"attention: softmax, scaling, q/k/v layout", "blocks: GELU, biases, residual sums"} <= set(shares)
+    assert shares["matmuls (dot, convolution)"] > 0 and abs(sum(shares.values()) - 100) < 0.5, stdout
+    assert re.search(r"Matmuls: [\d.]+ GFLOP per step at \d+ GFLOP/s", stdout), stdout
+    assert len(re.findall(r"^At the matmul (no XLA|XLA) peak", stdout, re.M)) == 2, stdout
+
+
+def test_hlo_instructions_finds_matmuls_through_fusions():
+    from experiments.benchmark import _hlo_instructions
+
+    # One instruction per line, as XLA prints them.
+    hlo = """HloModule step, entry_computation_layout={()->f32[2,2]{1,0}}
+
+%fused_dot (p0: f32[2,2], p1: f32[2,2]) -> f32[2,2] {
+  %p0 = f32[2,2]{1,0} parameter(0)
+  %p1 = f32[2,2]{1,0} parameter(1)
+  ROOT %d = f32[2,2]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%outer (q0: f32[2,2]) -> f32[2,2] {
+  %q0 = f32[2,2]{1,0} parameter(0)
+  ROOT %f = f32[2,2]{1,0} fusion(%q0, %q0), kind=kOutput, calls=%fused_dot
+}
+
+%fused_add (r0: f32[2,2]) -> f32[2,2] {
+  %r0 = f32[2,2]{1,0} parameter(0)
+  ROOT %a = f32[2,2]{1,0} add(%r0, %r0)
+}
+
+ENTRY %main (x: f32[2,2]) -> f32[2,2] {
+  %x = f32[2,2]{1,0} parameter(0)
+  %MatMul.3 = f32[2,2]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_type="MatMul" op_name="block/mlp/MatMul"}
+  %add_fusion.1 = f32[2,2]{1,0} fusion(%MatMul.3), kind=kLoop, calls=%fused_add, metadata={op_type="AddV2" op_name="block/attention_norm/add"}
+  %call.2 = f32[2,2]{1,0} call(%add_fusion.1), to_apply=%outer
+  %pair = (f32[2,2]{1,0}, f32[2,2]{1,0}) tuple(%call.2, %x)
+  ROOT %out = f32[2,2]{1,0} get-tuple-element(%pair), index=0
+}
+"""
+    instructions = _hlo_instructions(hlo)
+    assert instructions["MatMul.3"] == (True, "block/mlp/MatMul")
+    assert instructions["add_fusion.1"] == (False, "block/attention_norm/add")
+    assert instructions["call.2"][0] and instructions["f"][0]  # A dot two calls down.
+    assert not instructions["pair"][0] and not instructions["out"][0]
+
+
 @pytest.mark.parametrize("mode", ["infer", "train"])
 def test_throughput_benchmark_runs(mode):
     """The infer/train benchmark on the testing variant: that it works and reports, not how fast."""
