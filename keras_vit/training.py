@@ -194,9 +194,10 @@ def resolve_jit_compile(jit_compile="auto", precision=None, training=True):
     "auto" picks what measured fastest for the platform and precision
     (`python -m experiments.benchmark`, README "Performance"):
     - TPU, GPU and the JAX backend: XLA, always (on a TPU it is the only way).
-    - CPU, TensorFlow, float32: XLA for training (an S/16 step was 1.26x
-      faster with it), oneDNN for inference (B/16: no XLA 1.11x keras-hub's
-      best, XLA 1.00x, in runs measured side by side with it).
+    - CPU, TensorFlow, float32: XLA for training (an S/16 step was 1.07x
+      faster with it, its backward pass's element-wise work fused), oneDNN
+      for inference (B/16: no XLA 1.11x keras-hub's best, XLA 1.00x, in runs
+      measured side by side with it).
     - CPU, TensorFlow, bfloat16 or float16: no XLA. oneDNN runs bfloat16
       matmuls on the AMX / AVX512-BF16 units (a 2048^3 matmul: ~1000 GFLOP/s
       vs ~250 under XLA, which computes them at float32 speed); B/16
