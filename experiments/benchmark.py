@@ -252,6 +252,14 @@ def matmul_peak_functions(dtype, size):
     return functions, 2 * size**3
 
 
+def matmul_peak_rates(matmuls, matmul_flops):
+    """{name: [FLOP/s]} of each `matmul_peak_functions` entry: three rates, each its best of three calls."""
+    return {
+        name: [matmul_flops / min(timed(function, argument) for _ in range(3)) for _ in range(3)]
+        for name, (function, argument) in matmuls.items()
+    }
+
+
 def keras_contender(model, mode, images, labels, batch_size, jit_compile):
     """A function (steps -> seconds) running `predict` or `fit` on `steps` batches.
 
@@ -363,17 +371,10 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
     # The peak is timed before and after the repetitions, not between them:
     # on the CPU the next calls after the matmuls ran slower (JAX: 55 ms
     # instead of 8 for a small model's call, half a second later).
-    peaks = {name: [] for name in matmuls}
-
-    def time_peaks():
-        for name, (function, argument) in matmuls.items():
-            for _ in range(3):
-                peaks[name].append(matmul_flops / min(timed(function, argument) for _ in range(3)))
-
     try:
         for function, argument in matmuls.values():
             timed(function, argument)
-        time_peaks()
+        peaks = matmul_peak_rates(matmuls, matmul_flops)
         for run, _ in contenders.values():
             run(1)
         rates = {name: [] for name in contenders}
@@ -382,7 +383,8 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
             for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
                 time.sleep(SETTLE_SECONDS)
                 rates[name].append(steps * batch_size / contenders[name][0](steps))
-        time_peaks()
+        for name, values in matmul_peak_rates(matmuls, matmul_flops).items():
+            peaks[name] += values
     finally:
         for worker in workers:
             worker.close()
@@ -682,10 +684,10 @@ def train_profile(variant, image_size, batch_size, repeats):
     matmul_seconds = parts["matmuls (dot, convolution)"]
     flops = keras_vit.flops.count_flops(variant, image_size=image_size, training=True) * batch_size
     matmuls, matmul_flops = matmul_peak_functions("float32", 2048)
-    peaks = {}
-    for name, (function, argument) in matmuls.items():
+    for function, argument in matmuls.values():
         timed(function, argument)
-        peaks[name] = matmul_flops / statistics.median(timed(function, argument) for _ in range(5))
+    rates = matmul_peak_rates(matmuls, matmul_flops)
+    peaks = {name: statistics.median(values) for name, values in rates.items()}
     print(
         f"{variant} training step (AdamW) at {image_size} px, batch {batch_size}, float32, XLA: "
         f"{seconds_per_step:.3f} s per step ({batch_size / seconds_per_step:.2f} images/s, median of "
