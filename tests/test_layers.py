@@ -212,6 +212,16 @@ def _straightforward_block(block, hidden):
     return call
 
 
+def _random_block(seed, hidden=48, heads=3, mlp_dim=96, tokens=50):
+    """(block with random weights, the straightforward block with the same weights, rng)."""
+    block = vit_layers.TransformerBlock(num_heads=heads, mlp_dim=mlp_dim)
+    block.build((None, tokens, hidden))
+    rng = np.random.default_rng(seed)
+    for weight in block.weights:
+        weight.assign(rng.normal(0.0, 0.2, weight.shape) + (weight.name == "gamma"))
+    return block, _straightforward_block(block, hidden), rng
+
+
 @pytest.mark.parametrize("hidden, heads, mlp_dim, tokens", [(32, 4, 64, 17), (48, 3, 96, 50)])
 def test_transformer_block_matches_the_straightforward_formulation(hidden, heads, mlp_dim, tokens):
     """The optimised block (one QKV matmul, 2-D matmuls with BiasAdd that oneDNN fuses with the
@@ -219,12 +229,7 @@ def test_transformer_block_matches_the_straightforward_formulation(hidden, heads
     graph (where TensorFlow's optimiser fuses)."""
     import tensorflow as tf
 
-    block = vit_layers.TransformerBlock(num_heads=heads, mlp_dim=mlp_dim)
-    block.build((None, tokens, hidden))
-    rng = np.random.default_rng(0)
-    for weight in block.weights:
-        weight.assign(rng.normal(0.0, 0.2, weight.shape) + (weight.name == "gamma"))
-    reference = _straightforward_block(block, hidden)
+    block, reference, rng = _random_block(0, hidden, heads, mlp_dim, tokens)
     x = rng.normal(0.0, 1.0, (3, tokens, hidden)).astype("float32")
     expected = keras.ops.convert_to_numpy(reference(x))
     np.testing.assert_allclose(keras.ops.convert_to_numpy(block(x)), expected, rtol=1e-5, atol=1e-5)
@@ -238,12 +243,7 @@ def test_training_gradients_match_the_straightforward_formulation():
     import tensorflow as tf
 
     hidden, tokens = 48, 50
-    block = vit_layers.TransformerBlock(num_heads=3, mlp_dim=96)
-    block.build((None, tokens, hidden))
-    rng = np.random.default_rng(1)
-    for weight in block.weights:
-        weight.assign(rng.normal(0.0, 0.2, weight.shape) + (weight.name == "gamma"))
-    reference = _straightforward_block(block, hidden)
+    block, reference, rng = _random_block(1)
     x = tf.constant(rng.normal(0.0, 1.0, (2, tokens, hidden)).astype("float32"))
     upstream = tf.constant(rng.normal(0.0, 1.0, (2, tokens, hidden)).astype("float32"))
 
@@ -258,6 +258,42 @@ def test_training_gradients_match_the_straightforward_formulation():
     np.testing.assert_allclose(traced().numpy(), expected, rtol=1e-4, atol=1e-4)
     ops = {op.type for op in traced.get_concrete_function().graph.get_operations()}
     assert "StridedSliceGrad" not in ops, sorted(ops)
+
+
+def test_training_attention_on_a_cpu_runs_in_two_halves_of_the_batch():
+    """On a CPU, training-mode attention with an even static batch is two independent halves
+    (faster under XLA); with XLA or without, the gradients are still the textbook block's."""
+    import tensorflow as tf
+
+    from keras_vit.training import accelerator
+
+    if accelerator() != "cpu":
+        pytest.skip("the split applies on a CPU only")
+    hidden, tokens = 48, 50
+    block, reference, rng = _random_block(2)
+
+    def batch_matmuls(batch):
+        spec = tf.TensorSpec((batch, tokens, hidden))
+        graph = tf.function(lambda x: block(x, training=True)).get_concrete_function(spec).graph
+        return [op.type for op in graph.get_operations()].count("BatchMatMulV2")
+
+    assert batch_matmuls(4) == 4  # Logits and attended values, for each half.
+    assert batch_matmuls(3) == 2 and batch_matmuls(None) == 2  # Odd or unknown: one piece.
+    assert vit_layers.MultiHeadSelfAttention(3)(np.zeros((4, 5, 6)), training=True).shape == (4, 5, 6)
+    for batch, jit_compile in ((4, True), (4, False), (3, True)):
+        x = tf.constant(rng.normal(0.0, 1.0, (batch, tokens, hidden)).astype("float32"))
+        upstream = tf.constant(rng.normal(0.0, 1.0, (batch, tokens, hidden)).astype("float32"))
+
+        def gradient(function, x=x, upstream=upstream):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = function(x)
+            return y, tape.gradient(y, x, output_gradients=upstream)
+
+        expected = [t.numpy() for t in gradient(reference)]
+        traced = tf.function(lambda: gradient(lambda x: block(x, training=True)), jit_compile=jit_compile)
+        for got, want in zip(traced(), expected):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_tensorflow_fuses_the_mlp_matmul_bias_and_gelu():
