@@ -566,11 +566,17 @@ _STEP_PARTS = (
 )
 
 
-def _hlo_instructions(hlo):
-    """{instruction name: (is a matmul, op_name)} of an HLO module's text.
+_MATMULS = "matmuls: projections, MLP, patch embedding, head"
+_BATCHED_MATMULS = "matmuls: attention logits and values (batched)"
 
-    A matmul is a dot or a convolution, or a fusion or call whose computation
-    (directly or through the computations it calls) holds one.
+
+def _hlo_instructions(hlo):
+    """{instruction name: (kind, op_name)} of an HLO module's text.
+
+    The kind is `_BATCHED_MATMULS` for a dot with batch dimensions (the
+    attention's), `_MATMULS` for another dot or a convolution, the same for a
+    fusion or call whose computation (directly or through the computations it
+    calls) holds one, and "" otherwise.
     """
     import re
 
@@ -594,25 +600,35 @@ def _hlo_instructions(hlo):
         else:
             rest = rest.split(" ", 1)[1] if " " in rest else ""
         opcode = rest.split("(", 1)[0].strip()
+        kind = ""
+        if opcode == "dot":
+            kind = _BATCHED_MATMULS if re.search(r"lhs_batch_dims=\{\d", rest) else _MATMULS
+        elif opcode == "convolution":
+            kind = _MATMULS
         called = re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", rest)
         op_name = re.search(r'op_name="([^"]*)"', rest)
-        current.append((instruction.group(1), opcode, called, op_name.group(1) if op_name else ""))
+        current.append((instruction.group(1), kind, called, op_name.group(1) if op_name else ""))
 
-    holds_matmul = {}
+    kinds = {}
 
-    def matmul_in(computation, seen=()):
-        if computation not in holds_matmul:
-            holds_matmul[computation] = any(
-                opcode in ("dot", "convolution")
-                or any(c not in seen and matmul_in(c, (*seen, computation)) for c in called)
-                for _, opcode, called, _ in computations.get(computation, [])
+    def strongest(found):
+        return next((kind for kind in (_BATCHED_MATMULS, _MATMULS) if kind in found), "")
+
+    def kind_of(kind, called, seen):
+        """The instruction's own kind, or the strongest of the computations it calls."""
+        return strongest({kind, *(kind_in(c, seen) for c in called if c not in seen)})
+
+    def kind_in(computation, seen=()):
+        if computation not in kinds:
+            kinds[computation] = strongest(
+                {kind_of(k, c, (*seen, computation)) for _, k, c, _ in computations.get(computation, [])}
             )
-        return holds_matmul[computation]
+        return kinds[computation]
 
     return {
-        name: (opcode in ("dot", "convolution") or any(matmul_in(c) for c in called), op_name)
+        name: (kind_of(kind, called, ()), op_name)
         for instructions in computations.values()
-        for name, opcode, called, op_name in instructions
+        for name, kind, called, op_name in instructions
     }
 
 
@@ -668,9 +684,9 @@ def train_profile(variant, image_size, batch_size, repeats):
     for name, seconds in events.items():
         if name not in instructions:
             continue  # The runtime's own events (executor, thunk executor, tf.data).
-        is_matmul, op_name = instructions[name]
-        if is_matmul:
-            parts["matmuls (dot, convolution)"] += seconds / repeats
+        kind, op_name = instructions[name]
+        if kind:
+            parts[kind] += seconds / repeats
             continue
         lowered = op_name.lower()
         part = next((part for part, keys in _STEP_PARTS if any(key in lowered for key in keys)), None)
@@ -681,8 +697,12 @@ def train_profile(variant, image_size, batch_size, repeats):
             "(XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true asks it to)."
         )
     total = sum(parts.values())
-    matmul_seconds = parts["matmuls (dot, convolution)"]
+    matmul_seconds = parts[_MATMULS] + parts[_BATCHED_MATMULS]
     flops = keras_vit.flops.count_flops(variant, image_size=image_size, training=True) * batch_size
+    # Logits and attention-weighted values: 2 x 2 x tokens^2 x width per layer, 3x for a step.
+    blocks = [layer for layer in model.layers if isinstance(layer, keras_vit.layers.TransformerBlock)]
+    tokens, width = blocks[0].input.shape[1:]
+    attention_flops = 3 * batch_size * len(blocks) * 4 * tokens**2 * width
     matmuls, matmul_flops = matmul_peak_functions("float32", 2048)
     for function, argument in matmuls.values():
         timed(function, argument)
@@ -696,8 +716,11 @@ def train_profile(variant, image_size, batch_size, repeats):
     for part, value in parts.most_common():
         print(f"  {part:48s} {1000 * value:9.1f} ms {100 * value / total:6.1f}%")
     print(
-        f"Matmuls: {flops / 1e9:.1f} GFLOP per step at {flops / matmul_seconds / 1e9:.0f} GFLOP/s; "
-        "peak (float32 2048^3) "
+        f"Matmuls: {flops / 1e9:.1f} GFLOP per step at {flops / matmul_seconds / 1e9:.0f} GFLOP/s "
+        f"(projections etc. {(flops - attention_flops) / 1e9:.3g} GFLOP at "
+        f"{(flops - attention_flops) / max(parts[_MATMULS], 1e-12) / 1e9:.0f} GFLOP/s, attention "
+        f"{attention_flops / 1e9:.3g} GFLOP at "
+        f"{attention_flops / max(parts[_BATCHED_MATMULS], 1e-12) / 1e9:.0f} GFLOP/s); peak (float32 2048^3) "
         + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())
     )
     rest = total - matmul_seconds

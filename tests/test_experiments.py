@@ -145,15 +145,22 @@ def test_train_profile_splits_the_compiled_step_into_matmuls_and_layers():
     row = r"^  (\S.*?)\s+[\d.]+ ms\s+([\d.]+)%$"
     shares = {name.strip(): float(share) for name, share in re.findall(row, stdout, re.M)}
     # Every part of the step had ops that the profiler timed, and the parts add up.
-    assert {"matmuls (dot, convolution)", "layer norms", "optimizer (AdamW update)"} <= set(shares), stdout
+    matmuls = {"matmuls: projections, MLP, patch embedding, head", "matmuls: attention logits and values (batched)"}
+    assert matmuls | {"layer norms", "optimizer (AdamW update)"} <= set(shares), stdout
     assert {"attention: softmax, scaling, q/k/v layout", "blocks: GELU, biases, residual sums"} <= set(shares)
-    assert shares["matmuls (dot, convolution)"] > 0 and abs(sum(shares.values()) - 100) < 0.5, stdout
-    assert re.search(r"Matmuls: [\d.]+ GFLOP per step at \d+ GFLOP/s", stdout), stdout
+    assert abs(sum(shares.values()) - 100) < 0.5, stdout
+    # Logits and values, forward and backward: 3 x batch x layers x 4 x tokens^2 x width.
+    config = keras_vit.parse_variant("testing")
+    tokens = (32 // config.patch_size[0]) * (32 // config.patch_size[1]) + 1
+    expected = 3 * 2 * config.num_layers * 4 * tokens**2 * config.hidden_dim
+    attention = re.search(r"attention ([\d.e-]+) GFLOP at \d+ GFLOP/s", stdout)
+    assert attention and float(attention.group(1)) == float(f"{expected / 1e9:.3g}"), stdout
+    assert re.search(r"Matmuls: [\d.]+ GFLOP per step at \d+ GFLOP/s \(projections etc. [\d.e-]+ GFLOP", stdout)
     assert len(re.findall(r"^At the matmul (no XLA|XLA) peak", stdout, re.M)) == 2, stdout
 
 
 def test_hlo_instructions_finds_matmuls_through_fusions():
-    from experiments.benchmark import _hlo_instructions
+    from experiments.benchmark import _BATCHED_MATMULS, _MATMULS, _hlo_instructions
 
     # One instruction per line, as XLA prints them.
     hlo = """HloModule step, entry_computation_layout={()->f32[2,2]{1,0}}
@@ -169,6 +176,11 @@ def test_hlo_instructions_finds_matmuls_through_fusions():
   ROOT %f = f32[2,2]{1,0} fusion(%q0, %q0), kind=kOutput, calls=%fused_dot
 }
 
+%fused_logits (s0: f32[3,2,2]) -> f32[3,2,2] {
+  %s0 = f32[3,2,2]{2,1,0} parameter(0)
+  ROOT %b = f32[3,2,2]{2,1,0} dot(%s0, %s0), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+
 %fused_add (r0: f32[2,2]) -> f32[2,2] {
   %r0 = f32[2,2]{1,0} parameter(0)
   ROOT %a = f32[2,2]{1,0} add(%r0, %r0)
@@ -179,15 +191,21 @@ ENTRY %main (x: f32[2,2]) -> f32[2,2] {
   %MatMul.3 = f32[2,2]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_type="MatMul" op_name="block/mlp/MatMul"}
   %add_fusion.1 = f32[2,2]{1,0} fusion(%MatMul.3), kind=kLoop, calls=%fused_add, metadata={op_type="AddV2" op_name="block/attention_norm/add"}
   %call.2 = f32[2,2]{1,0} call(%add_fusion.1), to_apply=%outer
+  %y = f32[3,2,2]{2,1,0} broadcast(%x), dimensions={1,2}
+  %logits = f32[3,2,2]{2,1,0} dot(%y, %y), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}, metadata={op_type="BatchMatMulV2" op_name="block/attention/MatMul"}
+  %batched_fusion = f32[3,2,2]{2,1,0} fusion(%logits), kind=kOutput, calls=%fused_logits
   %pair = (f32[2,2]{1,0}, f32[2,2]{1,0}) tuple(%call.2, %x)
   ROOT %out = f32[2,2]{1,0} get-tuple-element(%pair), index=0
 }
 """
     instructions = _hlo_instructions(hlo)
-    assert instructions["MatMul.3"] == (True, "block/mlp/MatMul")
-    assert instructions["add_fusion.1"] == (False, "block/attention_norm/add")
-    assert instructions["call.2"][0] and instructions["f"][0]  # A dot two calls down.
-    assert not instructions["pair"][0] and not instructions["out"][0]
+    matmul, batched = _MATMULS, _BATCHED_MATMULS
+    assert instructions["MatMul.3"] == (matmul, "block/mlp/MatMul")
+    assert instructions["add_fusion.1"] == ("", "block/attention_norm/add")
+    assert instructions["call.2"][0] == instructions["f"][0] == matmul  # A dot two calls down.
+    assert instructions["pair"][0] == instructions["out"][0] == ""
+    assert instructions["logits"] == (batched, "block/attention/MatMul")
+    assert instructions["batched_fusion"][0] == batched
 
 
 @pytest.mark.parametrize("mode", ["infer", "train"])
