@@ -603,9 +603,16 @@ def _hlo_instructions(hlo):
         kind = ""
         if opcode == "dot":
             kind = _BATCHED_MATMULS if re.search(r"lhs_batch_dims=\{\d", rest) else _MATMULS
-        elif opcode == "convolution":
+        elif opcode == "convolution" or (
+            # oneDNN's matmul and convolution thunks (--xla_cpu_use_onednn).
+            opcode == "custom-call" and re.search(r'custom_call_target="[^"]*(matmul|convolution)', rest)
+        ):
             kind = _MATMULS
-        called = re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", rest)
+        called = re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", rest) + [
+            name
+            for group in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", rest)
+            for name in re.findall(r"%([\w.\-]+)", group)
+        ]
         op_name = re.search(r'op_name="([^"]*)"', rest)
         current.append((instruction.group(1), kind, called, op_name.group(1) if op_name else ""))
 
@@ -701,8 +708,12 @@ def train_profile(variant, image_size, batch_size, repeats):
     flops = keras_vit.flops.count_flops(variant, image_size=image_size, training=True) * batch_size
     # Logits and attention-weighted values: 2 x 2 x tokens^2 x width per layer, 3x for a step.
     blocks = [layer for layer in model.layers if isinstance(layer, keras_vit.layers.TransformerBlock)]
-    tokens, width = blocks[0].input.shape[1:]
+    tokens, width = blocks[0].input.shape[1:]  # build_vit always makes at least one block.
     attention_flops = 3 * batch_size * len(blocks) * 4 * tokens**2 * width
+
+    def rate(flops, seconds):
+        return f"{flops / seconds / 1e9:.0f} GFLOP/s" if seconds > 0 else "n/a (no op timed)"
+
     matmuls, matmul_flops = matmul_peak_functions("float32", 2048)
     for function, argument in matmuls.values():
         timed(function, argument)
@@ -716,11 +727,10 @@ def train_profile(variant, image_size, batch_size, repeats):
     for part, value in parts.most_common():
         print(f"  {part:48s} {1000 * value:9.1f} ms {100 * value / total:6.1f}%")
     print(
-        f"Matmuls: {flops / 1e9:.1f} GFLOP per step at {flops / matmul_seconds / 1e9:.0f} GFLOP/s "
-        f"(projections etc. {(flops - attention_flops) / 1e9:.3g} GFLOP at "
-        f"{(flops - attention_flops) / max(parts[_MATMULS], 1e-12) / 1e9:.0f} GFLOP/s, attention "
-        f"{attention_flops / 1e9:.3g} GFLOP at "
-        f"{attention_flops / max(parts[_BATCHED_MATMULS], 1e-12) / 1e9:.0f} GFLOP/s); peak (float32 2048^3) "
+        f"Matmuls: {flops / 1e9:.1f} GFLOP per step at {rate(flops, matmul_seconds)} (projections etc. "
+        f"{(flops - attention_flops) / 1e9:.3g} GFLOP at {rate(flops - attention_flops, parts[_MATMULS])}, "
+        f"attention {attention_flops / 1e9:.3g} GFLOP at {rate(attention_flops, parts[_BATCHED_MATMULS])}); "
+        "peak (float32 2048^3) "
         + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())
     )
     rest = total - matmul_seconds

@@ -139,10 +139,11 @@ def _split_attention_batch(batch):
     (`drop_remainder=True`, as TPU and XLA training use). XLA's CPU runtime
     runs a batched matmul as a loop of small matmuls (197x64x197 for ViT at
     224 px) at a third of the matmul peak; two independent halves keep both
-    cores busier: an XLA S/16 training step 1.03-1.05x faster (8.43 and 8.47
+    cores busier: an XLA S/16 training step 1.02-1.04x faster (8.43 and 8.47
     against 8.08 and 8.27 images/s, batch 16, models interleaved), without XLA
     the same (7.59 and 7.55 against 7.61 and 7.50). The halves compute the
-    same numbers.
+    same numbers; with attention dropout each half draws its own mask, so a
+    seeded run's masks differ from those of one piece.
     """
     from keras_vit.training import accelerator
 
@@ -418,8 +419,8 @@ class MultiHeadSelfAttention(keras.layers.Layer):
     On a GPU or TPU with a backend other than TensorFlow the attention itself
     is `keras.ops.dot_product_attention` (a fused kernel where the backend has
     one, see `_fused_attention_path`), unless scores are returned or attention
-    dropout is active. In training on a CPU, an even batch is attended in two
-    halves (see `_split_attention_batch`).
+    dropout is active. In training with TensorFlow on a CPU, an even static
+    batch is attended in two halves (see `_split_attention_batch`).
 
     Args:
         num_heads: number of heads; the input width must be divisible by it.

@@ -194,6 +194,8 @@ ENTRY %main (x: f32[2,2]) -> f32[2,2] {
   %y = f32[3,2,2]{2,1,0} broadcast(%x), dimensions={1,2}
   %logits = f32[3,2,2]{2,1,0} dot(%y, %y), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}, metadata={op_type="BatchMatMulV2" op_name="block/attention/MatMul"}
   %batched_fusion = f32[3,2,2]{2,1,0} fusion(%logits), kind=kOutput, calls=%fused_logits
+  %onednn = f32[2,2]{1,0} custom-call(%x, %x), custom_call_target="__onednn$matmul"
+  %branch = f32[2,2]{1,0} conditional(%x), branch_computations={%fused_add, %fused_dot}
   %pair = (f32[2,2]{1,0}, f32[2,2]{1,0}) tuple(%call.2, %x)
   ROOT %out = f32[2,2]{1,0} get-tuple-element(%pair), index=0
 }
@@ -206,6 +208,7 @@ ENTRY %main (x: f32[2,2]) -> f32[2,2] {
     assert instructions["pair"][0] == instructions["out"][0] == ""
     assert instructions["logits"] == (batched, "block/attention/MatMul")
     assert instructions["batched_fusion"][0] == batched
+    assert instructions["onednn"][0] == instructions["branch"][0] == matmul
 
 
 @pytest.mark.parametrize("mode", ["infer", "train"])

@@ -261,8 +261,9 @@ def test_training_gradients_match_the_straightforward_formulation():
 
 
 def test_training_attention_on_a_cpu_runs_in_two_halves_of_the_batch():
-    """On a CPU, training-mode attention with an even static batch is two independent halves
-    (faster under XLA); with XLA or without, the gradients are still the textbook block's."""
+    """On a CPU, training-mode attention with an even static batch is two independent halves;
+    with XLA or without, the outputs and gradients are still the textbook block's. Inference
+    and exports keep one piece."""
     import tensorflow as tf
 
     from keras_vit.training import accelerator
@@ -272,13 +273,16 @@ def test_training_attention_on_a_cpu_runs_in_two_halves_of_the_batch():
     hidden, tokens = 48, 50
     block, reference, rng = _random_block(2)
 
-    def batch_matmuls(batch):
+    def batch_matmuls(batch, training=True):
         spec = tf.TensorSpec((batch, tokens, hidden))
-        graph = tf.function(lambda x: block(x, training=True)).get_concrete_function(spec).graph
+        graph = tf.function(lambda x: block(x, training=training)).get_concrete_function(spec).graph
         return [op.type for op in graph.get_operations()].count("BatchMatMulV2")
 
     assert batch_matmuls(4) == 4  # Logits and attended values, for each half.
     assert batch_matmuls(3) == 2 and batch_matmuls(None) == 2  # Odd or unknown: one piece.
+    assert batch_matmuls(4, training=False) == 2
+    with vit_layers.portable_ops():
+        assert batch_matmuls(4) == 2
     assert vit_layers.MultiHeadSelfAttention(3)(np.zeros((4, 5, 6)), training=True).shape == (4, 5, 6)
     for batch, jit_compile in ((4, True), (4, False), (3, True)):
         x = tf.constant(rng.normal(0.0, 1.0, (batch, tokens, hidden)).astype("float32"))
