@@ -145,39 +145,36 @@ def _split_attention_batch(batch):
     same numbers; with attention dropout each half draws its own mask, so a
     seeded run's masks differ from those of one piece.
     """
-    from keras_vit.training import accelerator
-
-    return (
-        batch is not None
-        and batch >= 2
-        and batch % 2 == 0
-        and keras.backend.backend() == "tensorflow"
-        and not getattr(_TRACING, "portable", False)
-        and accelerator() == "cpu"
-    )
+    return batch is not None and batch >= 2 and batch % 2 == 0 and _tensorflow_cpu_path()
 
 
 @functools.lru_cache(maxsize=None)
-def _onednn_cpu_only():
-    """TensorFlow with oneDNN, and no GPU or TPU that ops could be placed on."""
+def _cpu_only():
+    """No GPU or TPU that ops could be placed on."""
     from keras_vit.training import accelerator
 
+    return accelerator() == "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_enabled():
+    """Whether TensorFlow was built with oneDNN."""
     try:
         from tensorflow.python.util import _pywrap_util_port
 
-        onednn = _pywrap_util_port.IsMklEnabled()
+        return _pywrap_util_port.IsMklEnabled()
     except (ImportError, AttributeError):
-        onednn = False
-    return onednn and accelerator() == "cpu"
+        return False
+
+
+def _tensorflow_cpu_path():
+    """Whether layers traced now run as TensorFlow ops on a CPU, outside `portable_ops()`."""
+    return keras.backend.backend() == "tensorflow" and not getattr(_TRACING, "portable", False) and _cpu_only()
 
 
 def _onednn_path():
     """Whether layers traced now may use the oneDNN-specific forms."""
-    return (
-        keras.backend.backend() == "tensorflow"
-        and not getattr(_TRACING, "portable", False)
-        and _onednn_cpu_only()
-    )
+    return _tensorflow_cpu_path() and _onednn_enabled()
 
 
 def _fused_attention_path():

@@ -212,6 +212,16 @@ def _straightforward_block(block, hidden):
     return call
 
 
+def _output_and_gradient(function, x, upstream):
+    """function(x) and the gradient of <function(x), upstream> with respect to x."""
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = function(x)
+    return y, tape.gradient(y, x, output_gradients=upstream)
+
+
 def _random_block(seed, hidden=48, heads=3, mlp_dim=96, tokens=50):
     """(block with random weights, the straightforward block with the same weights, rng)."""
     block = vit_layers.TransformerBlock(num_heads=heads, mlp_dim=mlp_dim)
@@ -247,14 +257,8 @@ def test_training_gradients_match_the_straightforward_formulation():
     x = tf.constant(rng.normal(0.0, 1.0, (2, tokens, hidden)).astype("float32"))
     upstream = tf.constant(rng.normal(0.0, 1.0, (2, tokens, hidden)).astype("float32"))
 
-    def gradient(function):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = function(x)
-        return tape.gradient(y, x, output_gradients=upstream)
-
-    expected = gradient(reference).numpy()
-    traced = tf.function(lambda: gradient(lambda x: block(x, training=True)))
+    expected = _output_and_gradient(reference, x, upstream)[1].numpy()
+    traced = tf.function(lambda: _output_and_gradient(lambda x: block(x, training=True), x, upstream)[1])
     np.testing.assert_allclose(traced().numpy(), expected, rtol=1e-4, atol=1e-4)
     ops = {op.type for op in traced.get_concrete_function().graph.get_operations()}
     assert "StridedSliceGrad" not in ops, sorted(ops)
@@ -287,16 +291,12 @@ def test_training_attention_on_a_cpu_runs_in_two_halves_of_the_batch():
     for batch, jit_compile in ((4, True), (4, False), (3, True)):
         x = tf.constant(rng.normal(0.0, 1.0, (batch, tokens, hidden)).astype("float32"))
         upstream = tf.constant(rng.normal(0.0, 1.0, (batch, tokens, hidden)).astype("float32"))
-
-        def gradient(function, x=x, upstream=upstream):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = function(x)
-            return y, tape.gradient(y, x, output_gradients=upstream)
-
-        expected = [t.numpy() for t in gradient(reference)]
-        traced = tf.function(lambda: gradient(lambda x: block(x, training=True)), jit_compile=jit_compile)
-        for got, want in zip(traced(), expected):
+        expected = [t.numpy() for t in _output_and_gradient(reference, x, upstream)]
+        traced = tf.function(
+            lambda x, upstream: _output_and_gradient(lambda x: block(x, training=True), x, upstream),
+            jit_compile=jit_compile,
+        )
+        for got, want in zip(traced(x, upstream), expected):
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
 
 
