@@ -570,6 +570,17 @@ _MATMULS = "matmuls: projections, MLP, patch embedding, head"
 _BATCHED_MATMULS = "matmuls: attention logits and values (batched)"
 
 
+def _step_part(kind, op_name):
+    """The part of a training step that an HLO instruction of `kind` (see
+    `_hlo_instructions`) from the TensorFlow op `op_name` belongs to."""
+    lowered = op_name.lower()
+    # A layer norm's matmuls (its channel means, `layers._layer_norm_for_training`) count as the norm's.
+    if kind and not (kind == _MATMULS and "norm" in lowered):
+        return kind
+    part = next((part for part, keys in _STEP_PARTS if any(key in lowered for key in keys)), None)
+    return part or "other: patch embedding, head, loss, gradient sums"
+
+
 def _hlo_instructions(hlo):
     """{instruction name: (kind, op_name)} of an HLO module's text.
 
@@ -691,13 +702,7 @@ def train_profile(variant, image_size, batch_size, repeats):
     for name, seconds in events.items():
         if name not in instructions:
             continue  # The runtime's own events (executor, thunk executor, tf.data).
-        kind, op_name = instructions[name]
-        if kind:
-            parts[kind] += seconds / repeats
-            continue
-        lowered = op_name.lower()
-        part = next((part for part, keys in _STEP_PARTS if any(key in lowered for key in keys)), None)
-        parts[part or "other: patch embedding, head, loss, gradient sums"] += seconds / repeats
+        parts[_step_part(*instructions[name])] += seconds / repeats
     if not parts:
         raise SystemExit(
             "The profile holds no op of the compiled step: this TensorFlow's XLA records none "

@@ -211,6 +211,19 @@ ENTRY %main (x: f32[2,2]) -> f32[2,2] {
     assert instructions["onednn"][0] == instructions["branch"][0] == matmul
 
 
+def test_step_parts_count_a_layer_norms_matmuls_as_the_norm():
+    from experiments.benchmark import _BATCHED_MATMULS, _MATMULS, _step_part
+
+    assert _step_part(_MATMULS, "vit/encoderblock_0/attention_norm/MatMul") == "layer norms"
+    assert _step_part(_MATMULS, "attention_norm_gradient_1/MatMul_1") == "layer norms"
+    assert _step_part(_MATMULS, "gradient_tape/vit/encoderblock_0/MatMul/MatMul") == _MATMULS
+    assert _step_part(_BATCHED_MATMULS, "vit/encoderblock_0/attention/MatMul") == _BATCHED_MATMULS
+    assert _step_part("", "vit/encoderblock_0/attention/Softmax").startswith("attention:")
+    assert _step_part("", "vit/encoderblock_0/mlp_norm/Rsqrt") == "layer norms"
+    assert _step_part("", "vit/encoderblock_0/add_1").startswith("blocks:")
+    assert _step_part("", "SparseSoftmaxCrossEntropyWithLogits").startswith("other:")
+
+
 @pytest.mark.parametrize("mode", ["infer", "train"])
 def test_throughput_benchmark_runs(mode):
     """The infer/train benchmark on the testing variant: that it works and reports, not how fast."""

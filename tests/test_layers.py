@@ -300,6 +300,53 @@ def test_training_attention_on_a_cpu_runs_in_two_halves_of_the_batch():
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_training_layer_norm_on_a_cpu_is_the_keras_layer_with_a_closed_form_gradient(jit_compile):
+    """In float32 training with TensorFlow on a CPU, `layer_norm` takes channel means as matmuls
+    and writes the backward pass out; output and gradients (input, gamma, beta) are the Keras
+    layer's, with XLA or without. Inference and exports keep their own forms."""
+    import tensorflow as tf
+
+    from keras_vit.training import accelerator
+
+    if accelerator() != "cpu":
+        pytest.skip("the closed-form layer norm applies on a CPU only")
+    norm = keras.layers.LayerNormalization(epsilon=1e-6)
+    norm.build((None, 7, 40))
+    rng = np.random.default_rng(3)
+    norm.gamma.assign(rng.normal(1.0, 0.5, 40))
+    norm.beta.assign(rng.normal(0.0, 0.5, 40))
+    x = tf.constant(rng.normal(2.0, 3.0, (3, 7, 40)).astype("float32"))
+    upstream = tf.constant(rng.normal(0.0, 1.0, (3, 7, 40)).astype("float32"))
+
+    def output_and_gradients(function):
+        @tf.function(jit_compile=jit_compile)
+        def run(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = function(x)
+            return [y, *tape.gradient(y, [x, *norm.trainable_weights], output_gradients=upstream)]
+
+        return [t.numpy() for t in run(x)]
+
+    got = output_and_gradients(lambda x: vit_layers.layer_norm(x, norm, training=True))
+    want = output_and_gradients(norm)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for name, g, w in zip(("input", "gamma", "beta"), got[1:], want[1:]):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=name)
+        assert np.abs(w).max() > 0.1, name  # Gradients that could differ.
+
+    def op_types(training):
+        spec = tf.TensorSpec((None, 7, 40))
+        function = tf.function(lambda x: vit_layers.layer_norm(x, norm, training=training))
+        return [op.type for op in function.get_concrete_function(spec).graph.get_operations()]
+
+    assert "Mean" not in op_types(True) and op_types(True).count("MatMul") == 2
+    assert "MatMul" not in op_types(False)
+    with vit_layers.portable_ops():
+        assert "MatMul" not in op_types(True)
+
+
 def test_tensorflow_fuses_the_mlp_matmul_bias_and_gelu():
     """What makes the block fast on a CPU: no separate Erf/GELU op is left in the optimised graph."""
     from tensorflow.python.util import _pywrap_util_port
