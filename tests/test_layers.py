@@ -301,6 +301,48 @@ def test_training_attention_on_a_cpu_runs_in_two_halves_of_the_batch():
 
 
 @pytest.mark.parametrize("jit_compile", [True, False])
+def test_training_attention_on_a_cpu_has_a_closed_form_gradient(jit_compile):
+    """`_attention_for_training` gives softmax(q k^T) v and autodiff's gradients for q, k and v,
+    with logits large enough that an unshifted exp would overflow; a float32 training block on
+    a CPU uses it (no Softmax op), one with attention dropout does not."""
+    import tensorflow as tf
+
+    from keras_vit.training import accelerator
+
+    rng = np.random.default_rng(4)
+    q, k, v, upstream = (tf.constant(rng.normal(0.0, 1.0, (2, 3, 11, 8)).astype("float32")) for _ in range(4))
+    q = q * 30.0  # Logits in the hundreds.
+
+    def output_and_gradients(function):
+        @tf.function(jit_compile=jit_compile)
+        def run(q, k, v):
+            with tf.GradientTape() as tape:
+                tape.watch([q, k, v])
+                y = function(q, k, v)
+            return [y, *tape.gradient(y, [q, k, v], output_gradients=upstream)]
+
+        return [t.numpy() for t in run(q, k, v)]
+
+    got = output_and_gradients(vit_layers._attention_for_training)
+    want = output_and_gradients(lambda q, k, v: tf.matmul(tf.nn.softmax(tf.matmul(q, k, transpose_b=True)), v))
+    assert np.isfinite(got[0]).all() and np.abs(want[1]).max() > 0.1
+    for name, g, w in zip(("output", "query", "key", "value"), got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=name)
+
+    if accelerator() != "cpu":
+        return
+
+    def op_types(block):
+        spec = tf.TensorSpec((2, 5, 12))
+        graph = tf.function(lambda x: block(x, training=True)).get_concrete_function(spec).graph
+        return {op.type for op in graph.get_operations()}
+
+    assert "Softmax" not in op_types(vit_layers.TransformerBlock(num_heads=3, mlp_dim=8))
+    with_dropout = vit_layers.TransformerBlock(num_heads=3, mlp_dim=8, attention_dropout_rate=0.1)
+    assert "Softmax" in op_types(with_dropout)
+
+
+@pytest.mark.parametrize("jit_compile", [True, False])
 def test_training_layer_norm_on_a_cpu_is_the_keras_layer_with_a_closed_form_gradient(jit_compile):
     """In float32 training with TensorFlow on a CPU, `layer_norm` takes channel means as matmuls
     and writes the backward pass out; output and gradients (input, gamma, beta) are the Keras
