@@ -172,6 +172,12 @@ def _tensorflow_cpu_path():
     return keras.backend.backend() == "tensorflow" and not getattr(_TRACING, "portable", False) and _cpu_only()
 
 
+def _hand_written_gradients(training, dtype):
+    """Whether layers traced now use `_layer_norm_for_training` and
+    `_attention_for_training`: float32 training on `_tensorflow_cpu_path()`."""
+    return bool(training) and dtype == "float32" and _tensorflow_cpu_path()
+
+
 def _onednn_path():
     """Whether layers traced now may use the oneDNN-specific forms."""
     return _tensorflow_cpu_path() and _onednn_enabled()
@@ -221,7 +227,7 @@ def layer_norm(x, layer, training=None):
         and not getattr(layer, "rms_scaling", False)
         and tuple(layer.axis) in ((-1,), (len(x.shape) - 1,))
     )
-    if training and standard and x.dtype == "float32" and _tensorflow_cpu_path():
+    if standard and _hand_written_gradients(training, x.dtype):
         return _layer_norm_for_training(x, layer)
     if training or not standard or not _onednn_path():
         return layer(x)
@@ -596,28 +602,20 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         else:
             query, key, value = qkv[0], qkv[1], qkv[2]
         query = query * ops.cast(1.0 / math.sqrt(head_dim), dtype)
-        if (
-            training
-            and dtype == "float32"
-            and not return_attention_scores
-            and not self.dropout_rate
-            and _tensorflow_cpu_path()
-        ):
-            attended = _attention_for_training(query, key, value)
-            return ops.reshape(ops.transpose(attended, (0, 2, 1, 3)), (-1, tokens, heads * head_dim)), None
-        logits = ops.matmul(query, ops.swapaxes(key, -1, -2))
-        # Softmax in float32: bfloat16 has 8 bits of mantissa, too few for
-        # normalising a row of a few hundred probabilities. oneDNN's softmax
-        # computes in float32 whatever its input type, so on that path the
-        # two casts around it (16% of a bfloat16 B/16 batch) are skipped: the
-        # rounded probabilities are the same.
-        if dtype != "float32" and not (training or return_attention_scores) and _onednn_path():
-            probs = ops.softmax(logits, axis=-1)
+        if _hand_written_gradients(training, dtype) and not (return_attention_scores or self.dropout_rate):
+            attended, probs = _attention_for_training(query, key, value), None
         else:
-            probs = ops.softmax(ops.cast(logits, "float32"), axis=-1)
-        attended = ops.matmul(
-            self.attention_dropout(ops.cast(probs, dtype), training=training), value
-        )
+            logits = ops.matmul(query, ops.swapaxes(key, -1, -2))
+            # Softmax in float32: bfloat16 has 8 bits of mantissa, too few for
+            # normalising a row of a few hundred probabilities. oneDNN's softmax
+            # computes in float32 whatever its input type, so on that path the
+            # two casts around it (16% of a bfloat16 B/16 batch) are skipped: the
+            # rounded probabilities are the same.
+            if dtype != "float32" and not (training or return_attention_scores) and _onednn_path():
+                probs = ops.softmax(logits, axis=-1)
+            else:
+                probs = ops.softmax(ops.cast(logits, "float32"), axis=-1)
+            attended = ops.matmul(self.attention_dropout(ops.cast(probs, dtype), training=training), value)
         return ops.reshape(ops.transpose(attended, (0, 2, 1, 3)), (-1, tokens, heads * head_dim)), probs
 
     def compute_output_shape(self, input_shape):

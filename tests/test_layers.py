@@ -222,6 +222,21 @@ def _output_and_gradient(function, x, upstream):
     return y, tape.gradient(y, x, output_gradients=upstream)
 
 
+def _traced_output_and_gradients(function, inputs, upstream, jit_compile, variables=()):
+    """[function(*inputs), then the gradients of <function(*inputs), upstream> with respect to
+    each input and each of `variables`], computed in a tf.function with `jit_compile`."""
+    import tensorflow as tf
+
+    @tf.function(jit_compile=jit_compile)
+    def run(*inputs):
+        with tf.GradientTape() as tape:
+            tape.watch(inputs)
+            y = function(*inputs)
+        return [y, *tape.gradient(y, [*inputs, *variables], output_gradients=upstream)]
+
+    return [t.numpy() for t in run(*inputs)]
+
+
 def _random_block(seed, hidden=48, heads=3, mlp_dim=96, tokens=50):
     """(block with random weights, the straightforward block with the same weights, rng)."""
     block = vit_layers.TransformerBlock(num_heads=heads, mlp_dim=mlp_dim)
@@ -292,12 +307,9 @@ def test_training_attention_on_a_cpu_runs_in_two_halves_of_the_batch():
         x = tf.constant(rng.normal(0.0, 1.0, (batch, tokens, hidden)).astype("float32"))
         upstream = tf.constant(rng.normal(0.0, 1.0, (batch, tokens, hidden)).astype("float32"))
         expected = [t.numpy() for t in _output_and_gradient(reference, x, upstream)]
-        traced = tf.function(
-            lambda x, upstream: _output_and_gradient(lambda x: block(x, training=True), x, upstream),
-            jit_compile=jit_compile,
-        )
-        for got, want in zip(traced(x, upstream), expected):
-            np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+        got = _traced_output_and_gradients(lambda x: block(x, training=True), [x], upstream, jit_compile)
+        for g, want in zip(got, expected):
+            np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("jit_compile", [True, False])
@@ -314,14 +326,7 @@ def test_training_attention_on_a_cpu_has_a_closed_form_gradient(jit_compile):
     q = q * 30.0  # Logits in the hundreds.
 
     def output_and_gradients(function):
-        @tf.function(jit_compile=jit_compile)
-        def run(q, k, v):
-            with tf.GradientTape() as tape:
-                tape.watch([q, k, v])
-                y = function(q, k, v)
-            return [y, *tape.gradient(y, [q, k, v], output_gradients=upstream)]
-
-        return [t.numpy() for t in run(q, k, v)]
+        return _traced_output_and_gradients(function, [q, k, v], upstream, jit_compile)
 
     got = output_and_gradients(vit_layers._attention_for_training)
     want = output_and_gradients(lambda q, k, v: tf.matmul(tf.nn.softmax(tf.matmul(q, k, transpose_b=True)), v))
@@ -362,14 +367,7 @@ def test_training_layer_norm_on_a_cpu_is_the_keras_layer_with_a_closed_form_grad
     upstream = tf.constant(rng.normal(0.0, 1.0, (3, 7, 40)).astype("float32"))
 
     def output_and_gradients(function):
-        @tf.function(jit_compile=jit_compile)
-        def run(x):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = function(x)
-            return [y, *tape.gradient(y, [x, *norm.trainable_weights], output_gradients=upstream)]
-
-        return [t.numpy() for t in run(x)]
+        return _traced_output_and_gradients(function, [x], upstream, jit_compile, norm.trainable_weights)
 
     got = output_and_gradients(lambda x: vit_layers.layer_norm(x, norm, training=True))
     want = output_and_gradients(norm)
