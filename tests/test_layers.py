@@ -280,43 +280,45 @@ def test_training_gradients_match_the_straightforward_formulation():
 
 
 def test_training_attention_on_a_cpu_runs_in_two_halves_of_the_batch():
-    """On a CPU, training-mode attention with an even static batch is two independent halves;
-    with XLA or without, the outputs and gradients are still the textbook block's. Inference
-    and exports keep one piece."""
+    """On a CPU, training-mode attention by TensorFlow ops (not the native kernels) with an even
+    static batch is two independent halves; with XLA or without, the outputs and gradients are
+    still the textbook block's. Inference and exports keep one piece."""
     import tensorflow as tf
 
     from keras_vit.training import accelerator
 
     if accelerator() != "cpu":
         pytest.skip("the split applies on a CPU only")
-    hidden, tokens = 48, 50
-    block, reference, rng = _random_block(2)
+    with vit_layers.native_attention(False):
+        hidden, tokens = 48, 50
+        block, reference, rng = _random_block(2)
 
-    def batch_matmuls(batch, training=True):
-        spec = tf.TensorSpec((batch, tokens, hidden))
-        graph = tf.function(lambda x: block(x, training=training)).get_concrete_function(spec).graph
-        return [op.type for op in graph.get_operations()].count("BatchMatMulV2")
+        def batch_matmuls(batch, training=True):
+            spec = tf.TensorSpec((batch, tokens, hidden))
+            graph = tf.function(lambda x: block(x, training=training)).get_concrete_function(spec).graph
+            return [op.type for op in graph.get_operations()].count("BatchMatMulV2")
 
-    assert batch_matmuls(4) == 4  # Logits and attended values, for each half.
-    assert batch_matmuls(3) == 2 and batch_matmuls(None) == 2  # Odd or unknown: one piece.
-    assert batch_matmuls(4, training=False) == 2
-    with vit_layers.portable_ops():
-        assert batch_matmuls(4) == 2
-    assert vit_layers.MultiHeadSelfAttention(3)(np.zeros((4, 5, 6)), training=True).shape == (4, 5, 6)
-    for batch, jit_compile in ((4, True), (4, False), (3, True)):
-        x = tf.constant(rng.normal(0.0, 1.0, (batch, tokens, hidden)).astype("float32"))
-        upstream = tf.constant(rng.normal(0.0, 1.0, (batch, tokens, hidden)).astype("float32"))
-        expected = [t.numpy() for t in _output_and_gradient(reference, x, upstream)]
-        got = _traced_output_and_gradients(lambda x: block(x, training=True), [x], upstream, jit_compile)
-        for g, want in zip(got, expected):
-            np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
+        assert batch_matmuls(4) == 4  # Logits and attended values, for each half.
+        assert batch_matmuls(3) == 2 and batch_matmuls(None) == 2  # Odd or unknown: one piece.
+        assert batch_matmuls(4, training=False) == 2
+        with vit_layers.portable_ops():
+            assert batch_matmuls(4) == 2
+        assert vit_layers.MultiHeadSelfAttention(3)(np.zeros((4, 5, 6)), training=True).shape == (4, 5, 6)
+        for batch, jit_compile in ((4, True), (4, False), (3, True)):
+            x = tf.constant(rng.normal(0.0, 1.0, (batch, tokens, hidden)).astype("float32"))
+            upstream = tf.constant(rng.normal(0.0, 1.0, (batch, tokens, hidden)).astype("float32"))
+            expected = [t.numpy() for t in _output_and_gradient(reference, x, upstream)]
+            got = _traced_output_and_gradients(lambda x: block(x, training=True), [x], upstream, jit_compile)
+            for g, want in zip(got, expected):
+                np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("jit_compile", [True, False])
 def test_training_attention_on_a_cpu_has_a_closed_form_gradient(jit_compile):
     """`_attention_for_training` gives softmax(q k^T) v and autodiff's gradients for q, k and v,
     with logits large enough that an unshifted exp would overflow; a float32 training block on
-    a CPU uses it (no Softmax op), one with attention dropout does not."""
+    a CPU uses it when the native kernels are off (no Softmax op), one with attention dropout
+    does not."""
     import tensorflow as tf
 
     from keras_vit.training import accelerator
@@ -342,7 +344,8 @@ def test_training_attention_on_a_cpu_has_a_closed_form_gradient(jit_compile):
         graph = tf.function(lambda x: block(x, training=True)).get_concrete_function(spec).graph
         return {op.type for op in graph.get_operations()}
 
-    assert "Softmax" not in op_types(vit_layers.TransformerBlock(num_heads=3, mlp_dim=8))
+    with vit_layers.native_attention(False):
+        assert "Softmax" not in op_types(vit_layers.TransformerBlock(num_heads=3, mlp_dim=8))
     with_dropout = vit_layers.TransformerBlock(num_heads=3, mlp_dim=8, attention_dropout_rate=0.1)
     assert "Softmax" in op_types(with_dropout)
 

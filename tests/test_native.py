@@ -1,0 +1,132 @@
+"""The native CPU attention kernels (keras_vit/native): numbers, use by the layers, build errors."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from keras_vit import layers as vit_layers
+from keras_vit import native
+from tests.test_layers import _output_and_gradient, _random_block, _traced_output_and_gradients
+
+tf = pytest.importorskip("tensorflow")
+
+
+@pytest.fixture(scope="module")
+def library():
+    """The op library, built here if the cache lacks it: a build error fails the tests that need it."""
+    return tf.load_op_library(native.build())
+
+
+def _plain_attention(qkv, heads):
+    """softmax(q k^T / sqrt(d)) v per head, with TensorFlow ops, (batch, tokens, 3 * hidden) -> (batch, tokens, hidden)."""
+    batch, tokens, width = qkv.shape
+    head_dim = width // (3 * heads)
+    q, k, v = tf.unstack(tf.transpose(tf.reshape(qkv, (batch, tokens, 3, heads, head_dim)), (2, 0, 3, 1, 4)))
+    probs = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / np.sqrt(head_dim).astype("float32"))
+    return tf.reshape(tf.transpose(tf.matmul(probs, v), (0, 2, 1, 3)), (batch, tokens, heads * head_dim))
+
+
+@pytest.mark.parametrize("jit_compile", [True, False])
+@pytest.mark.parametrize("batch, tokens, heads, head_dim", [(3, 5, 2, 8), (2, 197, 3, 64), (1, 50, 1, 80)])
+def test_native_attention_matches_the_plain_formulation(library, jit_compile, batch, tokens, heads, head_dim):
+    """Output and qkv gradient of the kernels (as a TensorFlow op, and as XLA custom calls) against
+    softmax(q k^T / sqrt(d)) v and its autodiff, with logits in the hundreds for some rows."""
+    rng = np.random.default_rng(heads)
+    qkv = rng.normal(0.0, 1.0, (batch, tokens, 3 * heads * head_dim)).astype("float32")
+    qkv[:, : tokens // 2, : heads * head_dim] *= 40.0  # Large queries: an unshifted exp would overflow.
+    qkv = tf.constant(qkv)
+    upstream = tf.constant(rng.normal(0.0, 1.0, (batch, tokens, heads * head_dim)).astype("float32"))
+
+    got = _traced_output_and_gradients(lambda x: vit_layers._native_attention(x, heads), [qkv], upstream, jit_compile)
+    want = _traced_output_and_gradients(lambda x: _plain_attention(x, heads), [qkv], upstream, False)
+    assert np.isfinite(got[1]).all() and np.abs(want[1]).max() > 0.1
+    for name, g, w in zip(("output", "qkv gradient"), got, want):
+        scale = max(1.0, np.abs(w).max())
+        np.testing.assert_allclose(g / scale, w / scale, rtol=0, atol=1e-5 if name == "output" else 1e-4, err_msg=name)
+
+
+def test_native_ops_name_what_they_received(library):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"3 \* heads \* head_dim.*\[2,5,35\].*num_heads=2"):
+        library.keras_vit_attention(tf.ones((2, 5, 35)), num_heads=2)
+    qkv = tf.ones((2, 5, 36))
+    attended, logsumexp = library.keras_vit_attention(qkv, num_heads=2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"upstream has shape \[2,5,11\], expected \[2,5,12\]"):
+        library.keras_vit_attention_grad(qkv, attended, logsumexp, tf.ones((2, 5, 11)), num_heads=2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"num_heads=5"):
+        tf.function(lambda x: library.keras_vit_attention(x, num_heads=5), jit_compile=True)(qkv)
+
+
+def _op_types(block, training=True, batch=2):
+    spec = tf.TensorSpec((batch, 50, 48))
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = block(x, training=training)
+        return tape.gradient(y, x)
+
+    return {op.type for op in tf.function(step).get_concrete_function(spec).graph.get_operations()}
+
+
+def test_float32_training_attention_on_a_cpu_runs_the_native_kernels(library):
+    """A float32 training block on a CPU runs KerasVitAttention and its gradient op, with
+    outputs and gradients of the textbook block (XLA or not); inference, exports, attention
+    dropout, `native_attention(False)` and `KERAS_VIT_NATIVE=0` keep TensorFlow ops."""
+    from keras_vit.training import accelerator
+
+    if accelerator() != "cpu":
+        pytest.skip("the native kernels are for TensorFlow on a CPU")
+    block, reference, rng = _random_block(5)
+    types = _op_types(block)
+    assert {"KerasVitAttention", "KerasVitAttentionGrad"} <= types and "BatchMatMulV2" not in types, sorted(types)
+    assert "KerasVitAttention" not in _op_types(block, training=False)
+    with vit_layers.portable_ops():
+        assert "KerasVitAttention" not in _op_types(block)
+    with vit_layers.native_attention(False):
+        assert "KerasVitAttention" not in _op_types(block)
+    dropout = vit_layers.TransformerBlock(num_heads=3, mlp_dim=96, attention_dropout_rate=0.1)
+    assert "KerasVitAttention" not in _op_types(dropout)
+
+    for batch, jit_compile in ((4, True), (3, False)):
+        x = tf.constant(rng.normal(0.0, 1.0, (batch, 50, 48)).astype("float32"))
+        upstream = tf.constant(rng.normal(0.0, 1.0, (batch, 50, 48)).astype("float32"))
+        expected = [t.numpy() for t in _output_and_gradient(reference, x, upstream)]
+        got = _traced_output_and_gradients(lambda x: block(x, training=True), [x], upstream, jit_compile)
+        for g, want in zip(got, expected):
+            np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def fresh_library_lookup():
+    """attention_ops() forgets its result before and after the test."""
+    native.attention_ops.cache_clear()
+    yield
+    native.attention_ops.cache_clear()
+
+
+def test_without_a_working_compiler_the_layers_fall_back_to_tensorflow_ops(
+    monkeypatch, tmp_path, caplog, fresh_library_lookup
+):
+    monkeypatch.setenv("KERAS_VIT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(native.BuildError, match=r"`false .*attention_ops\.cc.*` failed with exit code 1"):
+        native.build()
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.attention_ops() is None
+    assert "native attention kernels are not available" in caplog.text
+    block = _random_block(6)[0]
+    types = _op_types(block)
+    assert "KerasVitAttention" not in types and "BatchMatMulV2" in types
+    assert not list(tmp_path.glob("native/*/*.so"))  # Nothing half-built left to load.
+
+
+def test_native_kernels_can_be_turned_off(monkeypatch, fresh_library_lookup):
+    monkeypatch.setenv("KERAS_VIT_NATIVE", "0")
+    assert native.attention_ops() is None
+
+
+def test_build_flags_follow_the_cpu():
+    assert "-mavx512f" in native._arch_flags({"avx512f", "avx512vl", "avx512bw", "avx512dq", "fma", "avx2"})
+    assert native._arch_flags({"avx2", "fma"}) == ["-mavx2", "-mfma"]
+    assert native._arch_flags(set()) == []
