@@ -560,10 +560,12 @@ class MultiHeadSelfAttention(keras.layers.Layer):
     On a GPU or TPU with a backend other than TensorFlow the attention itself
     is `keras.ops.dot_product_attention` (a fused kernel where the backend has
     one, see `_fused_attention_path`), unless scores are returned or attention
-    dropout is active. In training with TensorFlow on a CPU, an even static
-    batch is attended in two halves (see `_split_attention_batch`), and in
-    float32 without attention dropout the attention has a hand-written
-    gradient (`_attention_for_training`).
+    dropout is active. In float32 training with TensorFlow on a CPU without
+    attention dropout, the attention is keras_vit's native kernels
+    (`_native_attention`) where they build; otherwise, in training with
+    TensorFlow on a CPU, an even static batch is attended in two halves (see
+    `_split_attention_batch`), and in float32 without attention dropout the
+    attention has a hand-written gradient (`_attention_for_training`).
 
     Args:
         num_heads: number of heads; the input width must be divisible by it.
