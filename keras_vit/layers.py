@@ -341,6 +341,10 @@ def _attention_for_training(query, key, value):
     return attend(query, key, value)
 
 
+# The native kernels' limit (keras_vit/native/attention_ops.cc): two (tokens, tokens) float32 blocks per thread.
+_NATIVE_MAX_TOKENS = 8192
+
+
 def _native_attention_ops():
     """`keras_vit.native.attention_ops()`, or None inside `native_attention(False)`."""
     if getattr(_TRACING, "native_attention", None) is False:
@@ -369,7 +373,9 @@ def _native_attention(qkv, num_heads):
     for the backward pass, which recomputes the probabilities. XLA runs them as
     custom calls. One S/16 layer's attention, forward and backward, half a
     batch of 16: 14 ms against 20 ms for `_attention_for_training` with its
-    transposes under XLA.
+    transposes under XLA. The gradient op has no gradient of its own:
+    second-order derivatives (nested tapes) need `native_attention(False)`
+    or `KERAS_VIT_NATIVE=0`.
     """
     import tensorflow as tf
 
@@ -630,6 +636,8 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         elif (
             _hand_written_gradients(training, self.compute_dtype)
             and not (return_attention_scores or self.dropout_rate)
+            and tokens is not None
+            and tokens <= _NATIVE_MAX_TOKENS
             and _native_attention_ops() is not None
         ):
             attended = _native_attention(ops.reshape(qkv, (-1, tokens, 3 * hidden)), self.num_heads)

@@ -10,16 +10,21 @@ needs, a build or load error (logged once, with the compiler's message), or
 The library is built against the installed TensorFlow (`tf.sysconfig`) for
 the CPU it runs on (AVX-512 or AVX2 code where the CPU has it) and cached
 under `$KERAS_VIT_CACHE` (default `~/.cache/keras_vit`) in a directory named
-by a hash of the sources, the TensorFlow version, the compiler and the flags,
-so a change of any of them builds anew. The build writes to a temporary name
+by a hash of the sources, the TensorFlow version and build, the compiler and
+the flags, so a change of any of them builds anew (and the same TensorFlow
+wheel installed elsewhere reuses the build). Processes that start together
+take turns (a file lock); a failed build is remembered in the same directory
+and reported by later calls until `build(force=True)`. The build writes to a temporary name
 and renames, so concurrent processes never load a half-written library.
 Building takes about a minute on two cores (both sources compile in parallel).
 """
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -28,6 +33,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = ("attention_ops.cc", "attention_ffi.cc")
 _HEADERS = ("attention.h",)
 _LIBRARY = "keras_vit_attention.so"
+_FAILURE = "build-error.txt"
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +74,11 @@ def _arch_flags(cpu_flags):
 
 
 def _compiler():
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    """The C++ compiler's command as a list ($CXX may carry arguments, e.g. `ccache g++`), or None."""
+    if os.environ.get("CXX"):
+        return shlex.split(os.environ["CXX"])
+    found = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    return [found] if found else None
 
 
 def _build_commands(compiler, tf, out_dir):
@@ -79,7 +89,9 @@ def _build_commands(compiler, tf, out_dir):
         f"-I{os.path.join(include, 'external', 'highwayhash')}",
         f"-I{os.path.join(include, 'external', 'farmhash_archive', 'src')}",
         "-O3",
+        "-DNDEBUG",
         "-fPIC",
+        "-fvisibility=hidden",
         "-w",
         *_arch_flags(_cpu_flags()),
     ]
@@ -87,11 +99,11 @@ def _build_commands(compiler, tf, out_dir):
     objects, commands = [], []
     for source in _SOURCES:
         obj = os.path.join(out_dir, source.replace(".cc", ".o"))
-        commands.append(([compiler, *compile_flags, "-c", os.path.join(_HERE, source), "-o", obj], obj))
+        commands.append(([*compiler, *compile_flags, "-c", os.path.join(_HERE, source), "-o", obj], obj))
         objects.append(obj)
     library = os.path.join(out_dir, _LIBRARY)
     link = [
-        compiler,
+        *compiler,
         "-shared",
         *objects,
         "-o",
@@ -110,9 +122,20 @@ def _build_key(compiler, tf):
     for name in _SOURCES + _HEADERS:
         with open(os.path.join(_HERE, name), "rb") as f:
             digest.update(f.read())
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    commands = _build_commands(compiler, tf, "OUT")
-    digest.update(repr((tf.__version__, tf.sysconfig.get_include(), version, [c for c, _ in commands])).encode())
+    try:
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True).stdout
+    except OSError as error:
+        raise BuildError(f"Cannot run the C++ compiler {' '.join(compiler)!r}: {error}") from error
+    # The same TensorFlow wheel in another environment (a fresh virtualenv, another clone) shares the
+    # build: its location is left out, its version, build and library size are in.
+    tf_dir = os.path.dirname(tf.sysconfig.get_lib() + os.sep)
+    commands = [
+        [part.replace(tf_dir, "TF").replace(_HERE, "SRC") for part in c] for c, _ in _build_commands(compiler, tf, "OUT")
+    ]
+    framework = os.path.join(tf_dir, "libtensorflow_framework.so.2")
+    size = os.path.getsize(framework) if os.path.exists(framework) else None
+    build_info = sorted((k, str(v)) for k, v in tf.sysconfig.get_build_info().items())
+    digest.update(repr((tf.__version__, build_info, size, version, commands)).encode())
     return digest.hexdigest()[:16]
 
 
@@ -132,9 +155,31 @@ def build(force=False):
         raise BuildError(f"TensorFlow {tf.__version__} ships no tf2xla headers under {tf.sysconfig.get_include()}.")
     target_dir = os.path.join(cache_dir(), _build_key(compiler, tf))
     library = os.path.join(target_dir, _LIBRARY)
+    failure = os.path.join(target_dir, _FAILURE)
     if os.path.exists(library) and not force:
         return library
     os.makedirs(target_dir, exist_ok=True)
+    # One build at a time per target (processes started together wait for the first); a failed
+    # build is remembered, so later processes report it instead of compiling again.
+    with open(os.path.join(target_dir, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(library) and not force:
+            return library
+        if os.path.exists(failure) and not force:
+            with open(failure) as f:
+                raise BuildError(f"An earlier build failed (build(force=True) retries; {failure}):\n{f.read()}")
+        try:
+            _compile(compiler, tf, target_dir, library)
+        except BuildError as error:
+            with open(failure, "w") as f:
+                f.write(str(error))
+            raise
+        if os.path.exists(failure):
+            os.remove(failure)
+    return library
+
+
+def _compile(compiler, tf, target_dir, library):
     with tempfile.TemporaryDirectory(dir=target_dir) as work:
         *compiles, link = _build_commands(compiler, tf, work)
         logger.info("Compiling keras_vit's native attention kernels into %s (about a minute)", target_dir)
@@ -146,7 +191,6 @@ def build(force=False):
         linked = subprocess.run(link[0], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         _check(linked.args, linked.stdout, linked.returncode)
         os.replace(link[1], library)
-    return library
 
 
 @functools.lru_cache(maxsize=None)

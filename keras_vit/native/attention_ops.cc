@@ -27,11 +27,19 @@ using ::tensorflow::shape_inference::ShapeHandle;
 
 // (batch, tokens, 3 * hidden) and the head count -> the attention's shape, or
 // an error that names what was received.
+// Each thread keeps two (tokens, tokens) float32 blocks: 2 x 8192^2 x 4 bytes = 512 MiB at most.
+constexpr int64_t kMaxTokens = 8192;
+
 absl::Status ShapeOf(const TensorShape& qkv, int64_t heads, AttentionShape* shape) {
-  if (qkv.dims() != 3 || heads <= 0 || qkv.dim_size(2) % (3 * heads) != 0) {
+  // heads <= width / 3 before multiplying, so 3 * heads cannot overflow; head_dim >= 1.
+  if (qkv.dims() != 3 || heads <= 0 || heads > qkv.dim_size(2) / 3 || qkv.dim_size(2) % (3 * heads) != 0) {
     return absl::InvalidArgumentError(
-        "KerasVitAttention expects qkv of shape (batch, tokens, 3 * heads * head_dim) with num_heads >= 1; "
-        "received qkv of shape " + qkv.DebugString() + " and num_heads=" + std::to_string(heads));
+        "KerasVitAttention expects qkv of shape (batch, tokens, 3 * heads * head_dim) with num_heads >= 1 and "
+        "head_dim >= 1; received qkv of shape " + qkv.DebugString() + " and num_heads=" + std::to_string(heads));
+  }
+  if (qkv.dim_size(1) > kMaxTokens) {
+    return absl::InvalidArgumentError("KerasVitAttention takes at most " + std::to_string(kMaxTokens) +
+                                      " tokens; received qkv of shape " + qkv.DebugString());
   }
   *shape = {qkv.dim_size(0), qkv.dim_size(1), heads, qkv.dim_size(2) / (3 * heads)};
   return absl::OkStatus();
