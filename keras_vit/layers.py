@@ -173,7 +173,8 @@ def _tensorflow_cpu_path():
 
 
 def _hand_written_gradients(training, dtype):
-    """Whether layers traced now use `_layer_norm_for_training` and
+    """Whether layers traced now use `_layer_norm_for_training` and, without
+    attention dropout or returned scores, `_native_attention` or
     `_attention_for_training`: float32 training on `_tensorflow_cpu_path()`."""
     return bool(training) and dtype == "float32" and _tensorflow_cpu_path()
 
@@ -617,8 +618,8 @@ class MultiHeadSelfAttention(keras.layers.Layer):
 
     def call(self, inputs, training=None, return_attention_scores=False):
         tokens, hidden = inputs.shape[1], inputs.shape[2]
-        qkv = dense(inputs, self.qkv_kernel, self.qkv_bias)
-        qkv = ops.reshape(qkv, (-1, tokens, 3, self.num_heads, self.head_dim))
+        projected = dense(inputs, self.qkv_kernel, self.qkv_bias)
+        qkv = ops.reshape(projected, (-1, tokens, 3, self.num_heads, self.head_dim))
         dropout = training and self.dropout_rate > 0
         if not (return_attention_scores or dropout) and _fused_attention_path():
             # (batch, tokens, heads, head_dim) is the layout the fused kernels take: no transposes.
@@ -634,13 +635,11 @@ class MultiHeadSelfAttention(keras.layers.Layer):
             )
             attended = ops.reshape(attended, (-1, tokens, hidden))
         elif (
-            _hand_written_gradients(training, self.compute_dtype)
-            and not (return_attention_scores or self.dropout_rate)
-            and tokens is not None
+            self._hand_written_attention(training, return_attention_scores)
             and tokens <= _NATIVE_MAX_TOKENS
             and _native_attention_ops() is not None
         ):
-            attended = _native_attention(ops.reshape(qkv, (-1, tokens, 3 * hidden)), self.num_heads)
+            attended = _native_attention(projected, self.num_heads)
         elif training and not return_attention_scores and _split_attention_batch(inputs.shape[0]):
             halves = [self._attend(half, training)[0] for half in ops.split(qkv, 2, axis=0)]
             attended = ops.concatenate(halves, axis=0)
@@ -650,6 +649,12 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         if return_attention_scores:
             return outputs, probs
         return outputs
+
+    def _hand_written_attention(self, training, return_attention_scores):
+        """Whether the attention traced now is `_native_attention` or `_attention_for_training`."""
+        return _hand_written_gradients(training, self.compute_dtype) and not (
+            return_attention_scores or self.dropout_rate
+        )
 
     def _attend(self, qkv, training, return_attention_scores=False):
         """(batch, tokens, 3, heads, head_dim) -> ((batch, tokens, hidden), probabilities)."""
@@ -664,7 +669,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         else:
             query, key, value = qkv[0], qkv[1], qkv[2]
         query = query * ops.cast(1.0 / math.sqrt(head_dim), dtype)
-        if _hand_written_gradients(training, dtype) and not (return_attention_scores or self.dropout_rate):
+        if self._hand_written_attention(training, return_attention_scores):
             attended, probs = _attention_for_training(query, key, value), None
         else:
             logits = ops.matmul(query, ops.swapaxes(key, -1, -2))

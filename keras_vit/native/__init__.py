@@ -81,6 +81,11 @@ def _compiler():
     return [found] if found else None
 
 
+def _tf_dir(tf):
+    """The installed TensorFlow package's directory, which holds its libraries."""
+    return os.path.dirname(tf.sysconfig.get_lib() + os.sep)
+
+
 def _build_commands(compiler, tf, out_dir):
     """[(command, output)]: one compile per source, then the link."""
     include = tf.sysconfig.get_include()
@@ -95,7 +100,7 @@ def _build_commands(compiler, tf, out_dir):
         "-w",
         *_arch_flags(_cpu_flags()),
     ]
-    tf_dir = os.path.dirname(tf.sysconfig.get_lib() + os.sep)
+    tf_dir = _tf_dir(tf)
     objects, commands = [], []
     for source in _SOURCES:
         obj = os.path.join(out_dir, source.replace(".cc", ".o"))
@@ -128,7 +133,7 @@ def _build_key(compiler, tf):
         raise BuildError(f"Cannot run the C++ compiler {' '.join(compiler)!r}: {error}") from error
     # The same TensorFlow wheel in another environment (a fresh virtualenv, another clone) shares the
     # build: its location is left out, its version, build and library size are in.
-    tf_dir = os.path.dirname(tf.sysconfig.get_lib() + os.sep)
+    tf_dir = _tf_dir(tf)
     commands = [
         [part.replace(tf_dir, "TF").replace(_HERE, "SRC") for part in c] for c, _ in _build_commands(compiler, tf, "OUT")
     ]

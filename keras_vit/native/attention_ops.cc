@@ -54,6 +54,15 @@ absl::Status CheckSameShape(const char* name, const TensorShape& got, const Tens
 TensorShape AttendedShape(const AttentionShape& s) { return TensorShape({s.batch, s.tokens, s.hidden()}); }
 TensorShape LogsumexpShape(const AttentionShape& s) { return TensorShape({s.batch, s.heads, s.tokens}); }
 
+// KerasVitAttentionGrad's inputs (qkv, attended, logsumexp, upstream) -> the attention's shape.
+absl::Status GradShapeOf(const TensorShape& qkv, const TensorShape& attended, const TensorShape& logsumexp,
+                         const TensorShape& upstream, int64_t heads, AttentionShape* s) {
+  TF_RETURN_IF_ERROR(ShapeOf(qkv, heads, s));
+  TF_RETURN_IF_ERROR(CheckSameShape("attended", attended, AttendedShape(*s)));
+  TF_RETURN_IF_ERROR(CheckSameShape("logsumexp", logsumexp, LogsumexpShape(*s)));
+  return CheckSameShape("upstream", upstream, AttendedShape(*s));
+}
+
 absl::Status ForwardShapes(InferenceContext* c) {
   ShapeHandle qkv;
   TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &qkv));
@@ -87,6 +96,16 @@ REGISTER_OP("KerasVitAttentionGrad")
     })
     .Doc("Gradient of KerasVitAttention with respect to qkv.");
 
+// A kernel class (OpKernel or XlaOpKernel) with the ops' num_heads attribute read.
+template <typename Kernel>
+class WithHeads : public Kernel {
+ public:
+  explicit WithHeads(OpKernelConstruction* c) : Kernel(c) { OP_REQUIRES_OK(c, c->GetAttr("num_heads", &heads_)); }
+
+ protected:
+  int64_t heads_;
+};
+
 template <typename Fn>
 void ForEachUnitOnDevice(OpKernelContext* ctx, const AttentionShape& s, const Fn& fn) {
   auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
@@ -94,9 +113,9 @@ void ForEachUnitOnDevice(OpKernelContext* ctx, const AttentionShape& s, const Fn
               fn);
 }
 
-class AttentionOp : public OpKernel {
+class AttentionOp : public WithHeads<OpKernel> {
  public:
-  explicit AttentionOp(OpKernelConstruction* c) : OpKernel(c) { OP_REQUIRES_OK(c, c->GetAttr("num_heads", &heads_)); }
+  using WithHeads::WithHeads;
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& qkv = ctx->input(0);
@@ -110,25 +129,17 @@ class AttentionOp : public OpKernel {
     float* lse = logsumexp->flat<float>().data();
     ForEachUnitOnDevice(ctx, s, [&](Scratch& scratch, int64_t unit) { ForwardUnit(s, unit, in, out, lse, scratch); });
   }
-
- private:
-  int64_t heads_;
 };
 
-class AttentionGradOp : public OpKernel {
+class AttentionGradOp : public WithHeads<OpKernel> {
  public:
-  explicit AttentionGradOp(OpKernelConstruction* c) : OpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("num_heads", &heads_));
-  }
+  using WithHeads::WithHeads;
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor &qkv = ctx->input(0), &attended = ctx->input(1), &logsumexp = ctx->input(2),
                  &upstream = ctx->input(3);
     AttentionShape s;
-    OP_REQUIRES_OK(ctx, ShapeOf(qkv.shape(), heads_, &s));
-    OP_REQUIRES_OK(ctx, CheckSameShape("attended", attended.shape(), AttendedShape(s)));
-    OP_REQUIRES_OK(ctx, CheckSameShape("logsumexp", logsumexp.shape(), LogsumexpShape(s)));
-    OP_REQUIRES_OK(ctx, CheckSameShape("upstream", upstream.shape(), AttendedShape(s)));
+    OP_REQUIRES_OK(ctx, GradShapeOf(qkv.shape(), attended.shape(), logsumexp.shape(), upstream.shape(), heads_, &s));
     Tensor* gradient;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, qkv.shape(), &gradient));
     const float *in = qkv.flat<float>().data(), *out = attended.flat<float>().data(),
@@ -138,9 +149,6 @@ class AttentionGradOp : public OpKernel {
       BackwardUnit(s, unit, in, out, lse, up, grad, scratch);
     });
   }
-
- private:
-  int64_t heads_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("KerasVitAttention").Device(::tensorflow::DEVICE_CPU), AttentionOp);
@@ -153,50 +161,40 @@ xla::Shape F32(const TensorShape& shape) {
   return xla::ShapeUtil::MakeShape(xla::F32, shape.dim_sizes());
 }
 
-class AttentionXlaOp : public ::tensorflow::XlaOpKernel {
+// A typed-FFI custom call of `handler` (attention_ffi.cc) on `operands`, returning `shape`.
+xla::XlaOp CallHandler(::tensorflow::XlaOpKernelContext* ctx, const char* handler, std::vector<xla::XlaOp> operands,
+                       const xla::Shape& shape) {
+  return xla::CustomCall(ctx->builder(), handler, operands, shape, /*opaque=*/"", /*has_side_effect=*/false,
+                         /*output_operand_aliasing=*/{}, /*literal=*/nullptr, xla::CustomCallSchedule::SCHEDULE_NONE,
+                         xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
+}
+
+class AttentionXlaOp : public WithHeads<::tensorflow::XlaOpKernel> {
  public:
-  explicit AttentionXlaOp(OpKernelConstruction* c) : XlaOpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("num_heads", &heads_));
-  }
+  using WithHeads::WithHeads;
 
   void Compile(::tensorflow::XlaOpKernelContext* ctx) override {
     AttentionShape s;
     OP_REQUIRES_OK(ctx, ShapeOf(ctx->InputShape(0), heads_, &s));
-    xla::XlaOp call = xla::CustomCall(ctx->builder(), "keras_vit_attention_forward", {ctx->Input(0)},
-                                      xla::ShapeUtil::MakeTupleShape({F32(AttendedShape(s)), F32(LogsumexpShape(s))}),
-                                      /*opaque=*/"", /*has_side_effect=*/false, /*output_operand_aliasing=*/{},
-                                      /*literal=*/nullptr, xla::CustomCallSchedule::SCHEDULE_NONE,
-                                      xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
+    xla::XlaOp call = CallHandler(ctx, "keras_vit_attention_forward", {ctx->Input(0)},
+                                  xla::ShapeUtil::MakeTupleShape({F32(AttendedShape(s)), F32(LogsumexpShape(s))}));
     ctx->SetOutput(0, xla::GetTupleElement(call, 0));
     ctx->SetOutput(1, xla::GetTupleElement(call, 1));
   }
-
- private:
-  int64_t heads_;
 };
 
-class AttentionGradXlaOp : public ::tensorflow::XlaOpKernel {
+class AttentionGradXlaOp : public WithHeads<::tensorflow::XlaOpKernel> {
  public:
-  explicit AttentionGradXlaOp(OpKernelConstruction* c) : XlaOpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("num_heads", &heads_));
-  }
+  using WithHeads::WithHeads;
 
   void Compile(::tensorflow::XlaOpKernelContext* ctx) override {
     AttentionShape s;
-    OP_REQUIRES_OK(ctx, ShapeOf(ctx->InputShape(0), heads_, &s));
-    OP_REQUIRES_OK(ctx, CheckSameShape("attended", ctx->InputShape(1), AttendedShape(s)));
-    OP_REQUIRES_OK(ctx, CheckSameShape("logsumexp", ctx->InputShape(2), LogsumexpShape(s)));
-    OP_REQUIRES_OK(ctx, CheckSameShape("upstream", ctx->InputShape(3), AttendedShape(s)));
-    ctx->SetOutput(0, xla::CustomCall(ctx->builder(), "keras_vit_attention_backward",
-                                      {ctx->Input(0), ctx->Input(1), ctx->Input(2), ctx->Input(3)},
-                                      F32(ctx->InputShape(0)), /*opaque=*/"", /*has_side_effect=*/false,
-                                      /*output_operand_aliasing=*/{}, /*literal=*/nullptr,
-                                      xla::CustomCallSchedule::SCHEDULE_NONE,
-                                      xla::CustomCallApiVersion::API_VERSION_TYPED_FFI));
+    OP_REQUIRES_OK(ctx, GradShapeOf(ctx->InputShape(0), ctx->InputShape(1), ctx->InputShape(2), ctx->InputShape(3),
+                                    heads_, &s));
+    ctx->SetOutput(0, CallHandler(ctx, "keras_vit_attention_backward",
+                                  {ctx->Input(0), ctx->Input(1), ctx->Input(2), ctx->Input(3)},
+                                  F32(ctx->InputShape(0))));
   }
-
- private:
-  int64_t heads_;
 };
 
 // Registered as plain kernels of the XLA CPU JIT device rather than through
