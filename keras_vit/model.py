@@ -136,7 +136,7 @@ def build_vit(
         projection=patch_projection,
         name="patch_encoder",
     )(x)
-    x = keras.layers.Dropout(dropout_rate, name="embedding_dropout")(x)
+    x = vit_layers.Dropout(dropout_rate, name="embedding_dropout")(x)
     for i in range(config.num_layers):
         depth_fraction = i / (config.num_layers - 1) if config.num_layers > 1 else 1.0
         x = vit_layers.TransformerBlock(

@@ -36,6 +36,7 @@ LAYER_CASES = [
         12,
     ),
     (vit_layers.TokenPooling, dict(method="gap"), (2, 5, 8), 0),
+    (vit_layers.Dropout, dict(rate=0.2, seed=4), (2, 5, 8), 0),
     (resnet.StandardizedConv2D, dict(filters=4, kernel_size=3, padding="same"), (1, 6, 6, 3), 2),
     (resnet.BottleneckUnit, dict(features=32, strides=2), (1, 8, 8, 64), 12),
     (resnet.ResNetStem, dict(num_layers=(1, 1), width_factor=1), (1, 32, 32, 3), 3 + 12 + 12),
@@ -144,6 +145,45 @@ def test_fused_attention_matches_the_explicit_form(monkeypatch):
     with vit_layers.fused_attention(False):
         attention(x)
     assert len(calls) == 2
+
+
+def _random_algorithms(function, *args):
+    """The `alg` inputs (TensorFlow's Algorithm enum: 1 Philox, 2 ThreeFry, 3
+    auto) of the stateless random ops traced by `function`."""
+    import tensorflow as tf
+
+    graph = function.get_concrete_function(*args).graph
+    return sorted(
+        int(tf.get_static_value(op.inputs[3]))
+        for op in graph.get_operations()
+        if op.type == "StatelessRandomUniformV2"
+    )
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's XLA context")
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_dropout_masks_come_from_threefry_in_xla_compiled_cpu_steps(jit_compile):
+    import tensorflow as tf
+
+    rate = 0.25
+    layer = vit_layers.Dropout(rate, seed=7)
+    x = tf.ones((64, 65, 128))
+    step = tf.function(lambda x: layer(x, training=True), jit_compile=jit_compile)
+    # XLA compiles ThreeFry; TensorFlow's CPU kernels have Philox only (auto picks it).
+    assert _random_algorithms(step, x) == ([2] if jit_compile else [3])
+
+    first, second = np.asarray(step(x)), np.asarray(step(x))
+    for out in (first, second):
+        # Kept elements scaled by 1 / (1 - rate), the rest zero, at the rate:
+        # 532,480 draws, so the fraction's standard deviation is 6e-4.
+        np.testing.assert_allclose(out[out != 0], 1 / (1 - rate), rtol=1e-6)
+        assert abs((out == 0).mean() - rate) < 4e-3
+    assert (first != second).mean() > 0.3  # A new mask each call.
+    # The same seed gives the same masks.
+    again = vit_layers.Dropout(rate, seed=7)
+    replay = tf.function(lambda x: again(x, training=True), jit_compile=jit_compile)
+    np.testing.assert_array_equal(replay(x), first)
+    np.testing.assert_array_equal(layer(x, training=False), x)
 
 
 def test_stochastic_depth_drops_whole_samples_in_training_only():
