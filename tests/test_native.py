@@ -109,6 +109,73 @@ def test_float32_training_attention_on_a_cpu_runs_the_native_kernels(library):
             np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
 
 
+def _counting_native_attention(monkeypatch):
+    """Counts the layers traced with `_native_attention` from here on."""
+    traced = []
+    real = vit_layers._native_attention
+    monkeypatch.setattr(vit_layers, "_native_attention", lambda *args: traced.append(args) or real(*args))
+    return traced
+
+
+def test_keras_predict_and_evaluate_run_the_kernels_and_exports_do_not(library, monkeypatch, tmp_path):
+    """Float32 inference traced by Keras' predict and evaluate (XLA or not) uses the kernels, with
+    the numbers of the TensorFlow-op form; a model exported with `model.export` holds none of
+    them and runs in a process that never loads keras_vit."""
+    import subprocess
+    import sys
+
+    import keras
+
+    import keras_vit
+    from experiments.benchmark import randomized
+    from keras_vit.training import accelerator
+    from tests.conftest import random_images
+
+    if accelerator() != "cpu":
+        pytest.skip("the native kernels are for TensorFlow on a CPU")
+    model = randomized(keras_vit.build_vit("testing", image_size=32, num_classes=10, num_layers=2))
+    for weight in model.weights:  # Weights large enough for logits that differ across images.
+        weight.assign(weight * 10.0)
+    images = random_images((6, 32, 32, 3))
+    labels = keras.utils.to_categorical(np.arange(6) % 10, 10)
+    expected = model(images, training=False).numpy()  # Outside Keras' loops: TensorFlow ops.
+    assert np.ptp(expected, axis=0).max() > 0.01  # Outputs that differ across images.
+    loss = keras.losses.CategoricalCrossentropy(from_logits=True)
+    for jit_compile in (False, True):
+        traced = _counting_native_attention(monkeypatch)
+        model.compile(loss=loss, jit_compile=jit_compile)
+        np.testing.assert_allclose(model.predict(images, verbose=0), expected, rtol=1e-5, atol=1e-7)
+        assert len(traced) == 2, f"predict traced {len(traced)} layers with the kernels, expected 2"
+        np.testing.assert_allclose(model.evaluate(images, labels, verbose=0), loss(labels, expected), rtol=1e-5)
+        assert len(traced) == 4
+    with vit_layers.native_attention(False):
+        traced = _counting_native_attention(monkeypatch)
+        model.compile(loss=loss)
+        model.predict(images, verbose=0)
+        assert not traced
+
+    # A caller's own function and Keras' export trace TensorFlow ops only.
+    traced = _counting_native_attention(monkeypatch)
+    tf.function(lambda x: model(x, training=False))(images)
+    model.export(str(tmp_path / "exported"), verbose=False)
+    assert not traced
+    np.save(tmp_path / "images.npy", images)
+    script = (
+        "import sys, numpy as np, tensorflow as tf\n"
+        "loaded = tf.saved_model.load(sys.argv[1])\n"
+        "served = loaded.serve(np.load(sys.argv[2]))\n"
+        "assert 'keras_vit' not in sys.modules\n"
+        "np.save(sys.argv[3], served.numpy())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, *(str(tmp_path / name) for name in ("exported", "images.npy", "served.npy"))],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    served = np.load(tmp_path / "served.npy")
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-7)
+
+
 @pytest.fixture
 def fresh_library_lookup():
     """attention_ops() forgets its result before and after the test."""
