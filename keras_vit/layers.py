@@ -464,9 +464,10 @@ class Dropout(keras.layers.Dropout):
     backend computes Philox's 32x32->64-bit products one element at a time,
     while ThreeFry-2x32 (Salmon et al. 2011, JAX's default generator) is 32-bit
     additions, rotations and xors that vectorise: with the masks from ThreeFry
-    the main job's (digits) XLA training step took 67-75 ms instead of 95 ms,
-    and 82-96 ms instead of 122 ms in a slower period, 13 dropouts per step,
-    same process order (the masks were about 40% of its op time before).
+    the main job's (digits, 13 dropouts) XLA training step took 64-74 ms
+    against 95 ms (medians of five and one runs, separate processes), and 96
+    against 122 ms in a slower period; the masks had been about 40% of its op
+    time.
     TensorFlow's CPU kernels without XLA have no ThreeFry and keep Philox;
     other backends use `keras.random.dropout`. Same distribution either way:
     each element is kept with probability 1 - rate and scaled by 1 / (1 - rate).
