@@ -172,11 +172,31 @@ def _tensorflow_cpu_path():
     return keras.backend.backend() == "tensorflow" and not getattr(_TRACING, "portable", False) and _cpu_only()
 
 
+def _float32_on_tensorflow_cpu(dtype):
+    """Whether layers of compute `dtype` traced now run float32 TensorFlow ops on a CPU."""
+    return dtype == "float32" and _tensorflow_cpu_path()
+
+
 def _hand_written_gradients(training, dtype):
     """Whether layers traced now use `_layer_norm_for_training` and, without
     attention dropout or returned scores, `_native_attention` or
     `_attention_for_training`: float32 training on `_tensorflow_cpu_path()`."""
-    return bool(training) and dtype == "float32" and _tensorflow_cpu_path()
+    return bool(training) and _float32_on_tensorflow_cpu(dtype)
+
+
+def _xla_on_tensorflow_cpu():
+    """Whether ops traced now are compiled by XLA on `_tensorflow_cpu_path()`:
+    inside a `tf.function(jit_compile=True)`, which Keras' `jit_compile=True`
+    wraps each training step in (it traces the step in an XLA context)."""
+    if not _tensorflow_cpu_path():
+        return False
+    import tensorflow as tf
+
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:
+        return False
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def _onednn_path():
@@ -438,21 +458,6 @@ def dense(x, kernel, bias, gelu=False):
 
 
 # === Layers ===
-
-
-def _xla_on_tensorflow_cpu():
-    """Whether ops traced now are compiled by XLA on `_tensorflow_cpu_path()`:
-    inside a `tf.function(jit_compile=True)`, which Keras' `jit_compile=True`
-    wraps each training step in (it traces the step in an XLA context)."""
-    if not _tensorflow_cpu_path():
-        return False
-    import tensorflow as tf
-
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:
-        return False
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 @register
@@ -749,8 +754,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         return (
             not training
             and not return_attention_scores
-            and self.compute_dtype == "float32"
-            and _tensorflow_cpu_path()
+            and _float32_on_tensorflow_cpu(self.compute_dtype)
             and _in_keras_loop()
         )
 
