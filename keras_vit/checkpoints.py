@@ -492,14 +492,44 @@ def save_npz(model, path):
     write_npz(to_checkpoint(weights, heads.pop() if heads else 1), path)
 
 
+def _is_chain(model):
+    """Whether `model` is a functional chain: an input, then layers each called once on the previous one's output.
+
+    Read from the model's functional config, which lists each layer's calls
+    within the model and the layer every input tensor comes from.
+    """
+    layers = model.layers
+    if not layers or not isinstance(layers[0], keras.layers.InputLayer):
+        return False
+    if len(model.inputs) != 1 or len(model.outputs) != 1:
+        return False
+    configs = model.get_config().get("layers", [])
+    if [config.get("name") for config in configs] != [layer.name for layer in layers]:
+        return False
+    for previous, config in zip(layers, configs[1:]):
+        nodes = config.get("inbound_nodes", [])
+        if len(nodes) != 1 or _source_layers(nodes[0]) != [previous.name]:
+            return False
+    return True
+
+
+def _source_layers(serialized):
+    """The names of the layers that produced the tensors in a serialized call (config["inbound_nodes"][i])."""
+    if isinstance(serialized, dict):
+        if serialized.get("class_name") == "__keras_tensor__":
+            return [serialized["config"]["keras_history"][0]]
+        return [name for value in serialized.values() for name in _source_layers(value)]
+    if isinstance(serialized, (list, tuple)):
+        return [name for value in serialized for name in _source_layers(value)]
+    return []
+
+
 def _rebuild(model, image_size=None, head=None):
     """Rebuilds a chain-shaped model from its layers' configs, optionally at another size."""
     from keras_vit.variants import to_pair
 
     layers = model.layers
-    if not isinstance(layers[0], keras.layers.InputLayer) or any(
-        len(layer._inbound_nodes) != 1 for layer in layers[1:]
-    ):
+    if not _is_chain(model):
         raise ValueError(f"Expected a model from build_vit (a chain of layers); got {model.name!r}.")
     height, width, channels = model.input_shape[1:]
     if image_size is not None:

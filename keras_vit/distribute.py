@@ -11,6 +11,8 @@ import os
 
 import tensorflow as tf
 
+from keras_vit import compat
+
 STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "one_device")
 
 
@@ -89,64 +91,15 @@ def is_chief(strategy):
     return resolver.task_type == "worker" and resolver.task_id == 0 and not has_chief
 
 
-_PATCHED = False
-
-
 def patch_keras_for_multi_worker_fit():
     """Makes `model.fit` work under MultiWorkerMirroredStrategy (Keras 3, TensorFlow backend).
 
-    Keras 3.15 fails there in two places (keras-team/keras issue 20585,
-    tensorflow/tensorflow issue 72388):
-
-    1. `_maybe_symbolic_build` builds the model from one batch, which it first
-       MEAN-reduces across replicas; under MultiWorkerMirroredStrategy that
-       reduction is a collective op on the (uint8) image batch and fails.  The
-       batch is only needed for its shapes and dtypes, so this takes the local
-       replica's value instead.
-    2. `reduce_per_replica` MEAN-reduces the step's metrics with `axis=0`;
-       they are scalars, so the collective reduction fails.  Scalars are
-       reduced with `axis=None` here.
-
-    Both changes are local to multi-worker collective strategies; everything
-    else calls the original code.  Idempotent.
+    Keras fails there in two places (keras-team/keras issue 20585,
+    tensorflow/tensorflow issue 72388): building the model from a batch
+    MEAN-reduced across workers, and MEAN-reducing the scalar metrics with
+    `axis=0`.  The fix replaces two functions of Keras' TensorFlow trainer,
+    private APIs kept in `keras_vit.compat.patch_keras_for_multi_worker_fit`
+    (see there); everywhere but under multi-worker collective strategies the
+    original code runs.  Idempotent.
     """
-    global _PATCHED
-    if _PATCHED:
-        return
-    from keras.src import tree
-    from keras.src.backend.tensorflow import trainer
-
-    is_multi_worker = trainer._collective_all_reduce_multi_worker
-    original_build = trainer.TensorFlowTrainer._maybe_symbolic_build
-    original_reduce = trainer.reduce_per_replica
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = self._distribute_strategy
-        if strategy is None or iterator is None or not is_multi_worker(strategy):
-            return original_build(self, iterator=iterator, data_batch=data_batch)
-        for _, _, it in iterator:
-            data_batch = tree.map_structure(
-                lambda x: strategy.experimental_local_results(x)[0]
-                if isinstance(x, tf.distribute.DistributedValues)
-                else x,
-                next(it),
-            )
-            break
-        with strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
-
-    def reduce_per_replica(values, strategy, reduction):
-        if not (is_multi_worker(strategy) and reduction in ("auto", "mean")):
-            return original_reduce(values, strategy, reduction)
-
-        def reduce(value):
-            if not (trainer._is_per_replica_instance(value) or isinstance(value, tf.Tensor)):
-                return value
-            local = strategy.experimental_local_results(value)[0]
-            return strategy.reduce("MEAN", value, axis=0 if local.shape.rank else None)
-
-        return tree.map_structure(reduce, values)
-
-    trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
-    trainer.reduce_per_replica = reduce_per_replica
-    _PATCHED = True
+    compat.patch_keras_for_multi_worker_fit()

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_vit.data import IMAGE_MAGIC, center_crop_resize
-from keras_vit.layers import portable_ops
+from keras_vit.kernels import portable_ops
 
 QUANTIZATIONS = (None, "float16", "dynamic", "int8")
 
@@ -138,17 +138,31 @@ def export_saved_model(model, path, *, class_names=None, top_k=None, crop_fracti
     return path
 
 
+class _ServingModule(tf.Module):
+    """The SavedModel's root object: the model's variables, each saved once, and the serving functions.
+
+    `variables` and `trainable_variables` are plain attributes here, not
+    tf.Module's computed properties, so that they are saved and the loaded
+    object has them too (TF Hub's convention for reusable SavedModels).
+    """
+
+    variables = ()
+    trainable_variables = ()
+
+    def __init__(self, model):
+        super().__init__(name="serving")
+        self.variables = [v.value for v in model.variables]
+        self.trainable_variables = [v.value for v in model.trainable_variables]
+
+
 def _write_saved_model(model, path, endpoints):
     """Saves `endpoints` ({name: (function, input spec)}) as signatures over the model's variables.
 
-    A plain trackable object holding the variables once: Keras's ExportArchive
-    (keras 3.15) writes every variable twice, doubling the SavedModel's size.
-    Traced with `portable_ops()`, so the graph runs on any device and converts
-    to TFLite.
+    A tf.Module holding the variables once: Keras's ExportArchive (keras 3.15)
+    writes every variable twice, doubling the SavedModel's size.  Traced with
+    `portable_ops()`, so the graph runs on any device and converts to TFLite.
     """
-    module = tf.__internal__.tracking.AutoTrackable()
-    module.variables = [v.value for v in model.variables]
-    module.trainable_variables = [v.value for v in model.trainable_variables]
+    module = _ServingModule(model)
     signatures = {}
     for name, (function, spec) in endpoints.items():
         traced = tf.function(function, input_signature=[spec])

@@ -6,12 +6,12 @@
 - Fine-tuning (paper section 4.1 / appendix B.1.1): SGD with momentum 0.9, no
   weight decay, short warm-up, cosine decay, clipping at global norm 1.0.
 
-Gradient clipping under a multi-replica strategy: Keras 3.15 clips each
-replica's gradients before summing them across replicas
-(`BaseOptimizer.apply` clips, then `TFOptimizer._backend_update_step`
-all-reduces), so the clipped update depends on the number of replicas.  The
-optimizers built here clip the all-reduced gradient instead, which is what a
-single device does with the same global batch.
+Gradient clipping under a multi-replica strategy: Keras clips each replica's
+gradients before summing them across replicas, so the clipped update depends
+on the number of replicas.  The optimizers built here (`AdamW`, `SGD`) clip
+the all-reduced gradient instead, which is what a single device does with the
+same global batch; `keras_vit.compat.ClipAfterAllReduce` holds the part that
+reaches into the optimizer's private methods.
 
 TensorFlow is imported where it is used, so that the JAX and PyTorch backends
 can build, train and benchmark models without it installed.
@@ -19,40 +19,10 @@ can build, train and benchmark models without it installed.
 
 import keras
 
+from keras_vit.compat import ClipAfterAllReduce
+
 OPTIMIZERS = ("adamw", "sgd")
 DECAYS = ("cosine", "linear")
-
-
-class ClipAfterAllReduce:
-    """Mixin for Keras TF-backend optimizers: clip the global gradient after the cross-replica sum."""
-
-    def _multi_replica(self):
-        if keras.backend.backend() != "tensorflow":
-            return False
-        import tensorflow as tf
-
-        context = tf.distribute.get_replica_context()
-        return context is not None and context.num_replicas_in_sync > 1
-
-    def _clip_gradients(self, grads):
-        if self._multi_replica():
-            return grads  # Clipped in _backend_update_step, once summed.
-        return super()._clip_gradients(grads)
-
-    def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        if not self._multi_replica():
-            return super()._backend_update_step(grads, trainable_variables, learning_rate)
-        import tensorflow as tf
-
-        variables = [v.value if isinstance(v, keras.Variable) else v for v in trainable_variables]
-        reduced = self._all_reduce_sum_gradients(list(zip(grads, variables)))
-        clipped = super()._clip_gradients([g for g, _ in reduced])
-        tf.__internal__.distribute.interim.maybe_merge_call(
-            self._distributed_tf_update_step,
-            self._distribution_strategy,
-            list(zip(clipped, variables)),
-            learning_rate,
-        )
 
 
 @keras.saving.register_keras_serializable(package="keras_vit")
@@ -191,17 +161,16 @@ def accelerator():
 def resolve_jit_compile(jit_compile="auto", precision=None, training=True):
     """The `jit_compile` for `model.compile`: "on"/True, "off"/False, or "auto".
 
-    "auto" picks what measured fastest for the platform and precision
-    (`python -m experiments.benchmark`, README "Performance"):
+    "auto" picks what runs fastest for the platform and precision (measure
+    it with `python -m experiments.benchmark`):
     - TPU, GPU and the JAX backend: XLA, always (on a TPU it is the only way).
-    - CPU, TensorFlow, float32: XLA for training (an S/16 step was 1.07x
-      faster with it, its backward pass's element-wise work fused), oneDNN
-      for inference (B/16: no XLA 1.11x keras-hub's best, XLA 1.00x, in runs
-      measured side by side with it).
-    - CPU, TensorFlow, bfloat16 or float16: no XLA. oneDNN runs bfloat16
-      matmuls on the AMX / AVX512-BF16 units (a 2048^3 matmul: ~1000 GFLOP/s
-      vs ~250 under XLA, which computes them at float32 speed); B/16
-      inference was 2.2x faster without XLA.
+    - CPU, TensorFlow, float32: XLA for training, whose backward pass has
+      much element-wise work for XLA to fuse; no XLA for inference, where
+      TensorFlow's graph optimiser fuses the forward pass into oneDNN
+      kernels that run it faster than XLA's CPU code.
+    - CPU, TensorFlow, bfloat16 or float16: no XLA.  oneDNN runs bfloat16
+      matmuls on the CPU's bfloat16 units (AMX, AVX512-BF16) while XLA's CPU
+      compiler computes them at float32 speed.
 
     Args:
         jit_compile: "auto", "on", "off", or a bool.

@@ -390,3 +390,21 @@ def test_replace_head_and_freeze_backbone(source):
     changed = sorted(k for k in before if not np.array_equal(before[k], after[k]))
     assert changed == ["head/bias", "head/kernel"]
     assert keras_vit.replace_head(original, None).output_shape == (None, 16)
+
+
+def test_set_image_size_takes_chains_of_layers_only(source):
+    original, _ = source
+    # A hybrid's ResNet stem is one link of the chain.
+    hybrid = keras_vit.build_vit("R26+S/32", image_size=64, num_classes=3, num_layers=1)
+    assert keras_vit.set_image_size(hybrid, 96).input_shape == (None, 96, 96, 3)
+    # The backbone without its head is a chain too.
+    backbone = keras_vit.replace_head(original, None)
+    assert keras_vit.set_image_size(backbone, 32).output_shape == (None, 16)
+    # A residual branch around a layer is not: each layer is called once, but not on the previous output.
+    inputs = keras.Input((16, 16, 3))
+    outputs = keras.layers.Add()([inputs, keras.layers.Conv2D(3, 1)(inputs)])
+    with pytest.raises(ValueError, match=r"\(a chain of layers\); got 'residual'"):
+        keras_vit.set_image_size(keras.Model(inputs, outputs, name="residual"), 32)
+    stacked = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Conv2D(3, 1)], name="stacked")
+    with pytest.raises(ValueError, match=r"\(a chain of layers\); got 'stacked'"):
+        keras_vit.set_image_size(stacked, 32)

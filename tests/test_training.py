@@ -81,7 +81,12 @@ def test_recipes_and_their_errors(tmp_path):
     model.save(tmp_path / "m.keras")
     restored = keras.saving.load_model(tmp_path / "m.keras")
     assert isinstance(restored.optimizer, training.AdamW)
-    assert isinstance(restored.optimizer._learning_rate, training.WarmupLinearDecay)  # the schedule itself
+    schedule = restored.optimizer.get_config()["learning_rate"]  # the schedule itself, not its last value
+    assert schedule["registered_name"] == "keras_vit>WarmupLinearDecay", schedule
+    assert schedule["config"] == {"base_rate": 1e-3, "total_steps": 100, "warmup_steps": 10}
+    # One step taken: the restored schedule gives the warm-up's rate at step 1.
+    assert int(restored.optimizer.iterations) == 1
+    assert float(restored.optimizer.learning_rate) == pytest.approx(1e-4)
 
 
 def test_resolve_jit_compile():
