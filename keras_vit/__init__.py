@@ -1,4 +1,10 @@
-"""keras_vit: the Vision Transformer for Keras 3 and TensorFlow."""
+"""keras_vit: the Vision Transformer for Keras 3 and TensorFlow.
+
+The public API. The model, its layers and the training recipes need Keras
+only (any backend); `keras_vit.data`, `keras_vit.distribute`,
+`keras_vit.export` and the checkpoints' file I/O need TensorFlow and are
+imported by name.
+"""
 
 from keras_vit.checkpoints import (
     freeze_backbone,
@@ -8,6 +14,7 @@ from keras_vit.checkpoints import (
     save_npz,
     set_image_size,
 )
+from keras_vit.flops import count_flops
 from keras_vit.layers import (
     MultiHeadSelfAttention,
     PatchEncoder,
@@ -17,32 +24,36 @@ from keras_vit.layers import (
 )
 from keras_vit.model import build_vit
 from keras_vit.resnet import BottleneckUnit, ResNetStem, StandardizedConv2D
-# Registers the optimizers and schedules that trained models save with them.
-from keras_vit import training  # noqa: F401
-from keras_vit import flops  # noqa: F401
+from keras_vit.training import SGD, AdamW, WarmupLinearDecay, learning_rate_schedule, make_optimizer
 from keras_vit.variants import HYBRIDS, MODEL_SIZES, VARIANTS, ViTConfig, parse_variant
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
+    "AdamW",
     "BottleneckUnit",
     "HYBRIDS",
-    "ResNetStem",
-    "StandardizedConv2D",
     "MODEL_SIZES",
     "MultiHeadSelfAttention",
     "PatchEncoder",
     "Patches",
+    "ResNetStem",
+    "SGD",
+    "StandardizedConv2D",
     "TokenPooling",
     "TransformerBlock",
     "VARIANTS",
     "ViTConfig",
+    "WarmupLinearDecay",
     "build_vit",
+    "count_flops",
     "freeze_backbone",
+    "learning_rate_schedule",
     "load_pretrained",
+    "make_optimizer",
+    "parse_variant",
     "replace_head",
     "resample_position_embeddings",
     "save_npz",
     "set_image_size",
-    "parse_variant",
 ]

@@ -23,6 +23,7 @@ and `mlp_dense_2` (MlpBlock_3/Dense_0, Dense_1).
 import keras
 
 from keras_vit import layers as vit_layers
+from keras_vit.layers.common import check_rate
 from keras_vit.resnet import ResNetStem
 from keras_vit.variants import parse_variant, to_pair
 
@@ -120,7 +121,7 @@ def build_vit(
         ("attention_dropout_rate", attention_dropout_rate),
         ("stochastic_depth_rate", stochastic_depth_rate),
     ):
-        vit_layers._check_rate(rate_name, rate)
+        check_rate(rate_name, rate)
 
     # === Layers ===
     images = keras.Input((height, width, num_channels), name="images")
@@ -147,7 +148,7 @@ def build_vit(
             stochastic_depth_rate=stochastic_depth_rate * depth_fraction,
             name=f"encoderblock_{i}",
         )(x)
-    x = keras.layers.LayerNormalization(epsilon=1e-6, name="encoder_norm")(x)
+    x = vit_layers.LayerNormalization(epsilon=1e-6, name="encoder_norm")(x)
     x = vit_layers.TokenPooling(classifier, name="pooling")(x)
     if representation_size:
         x = keras.layers.Dense(representation_size, activation="tanh", name="pre_logits")(x)

@@ -15,11 +15,12 @@ Sublayer names follow the original checkpoint: `conv_root`, `gn_root`, then
 import keras
 from keras import ops
 
-from keras_vit.layers import register
 
 GROUPS = 32
 GROUP_NORM_EPSILON = 1e-6
 WEIGHT_STANDARDIZATION_EPSILON = 1e-5
+
+register = keras.saving.register_keras_serializable(package="keras_vit")
 
 
 @register

@@ -1,0 +1,106 @@
+"""The computations the layers delegate: attention, layer norm, dense, dropout.
+
+Each entry point has one reference form in `keras.ops`
+(`keras_vit.kernels.reference`), the definition, and fast forms for particular
+places:
+
+| entry point | where | form |
+|---|---|---|
+| `attention` | GPU or TPU, backend other than TensorFlow | `keras.ops.dot_product_attention` (`fused`) |
+| `attention` | TensorFlow on a CPU, training | two halves of an even batch; float32 without dropout: gradient written out (`tf_cpu`) |
+| `attention` | TensorFlow on a CPU with oneDNN, 16-bit inference | softmax without the casts around it (`tf_cpu`) |
+| `layer_norm` | TensorFlow on a CPU with oneDNN, inference | the subgraph oneDNN's LayerNorm replaces (`tf_cpu`) |
+| `layer_norm` | TensorFlow on a CPU, float32 training | channel means as matmuls, gradient written out (`tf_cpu`) |
+| `dense` | TensorFlow | 2-D MatMul + BiasAdd (+ GELU), which the graph optimiser fuses (`tf_ops`) |
+| `dropout` | TensorFlow on a CPU, XLA-compiled | ThreeFry masks (`tf_cpu`) |
+
+The form is chosen each time an entry point is traced, from
+`policy.current()`: where those ops will run (backend, device or distribution
+strategy), the dtype, and the explicit switches `portable_ops()` (reference
+forms everywhere; exports use it) and `fused_attention(enabled)`. Nothing is
+remembered between traces.
+"""
+
+from keras_vit import compat
+from keras_vit.kernels import reference
+from keras_vit.kernels.policy import current, fused_attention, portable_ops
+
+__all__ = ["attention", "current", "dense", "dropout", "fused_attention", "layer_norm", "portable_ops", "reference"]
+
+
+def attention(qkv, num_heads, *, training=False, dropout=None, return_probabilities=False):
+    """Multi-head attention of projected tokens (paper appendix A, eq. 5-8).
+
+    Args:
+        qkv: (batch, tokens, 3 * hidden): queries, keys and values side by side.
+        num_heads: heads; hidden must be divisible by it.
+        training: whether `dropout` applies.
+        dropout: None, or a callable (x, training) for the attention
+            probabilities, e.g. a `keras.layers.Dropout`.
+        return_probabilities: also return the probabilities.
+
+    Returns:
+        The attended values (batch, tokens, hidden), and with
+        `return_probabilities` the float32 probabilities (batch, heads,
+        tokens, tokens) as a second result.
+    """
+    dropout = dropout if training else None
+    target = current()
+    if return_probabilities:
+        return reference.attention(qkv, num_heads, training, dropout)
+    if target.use_fused_attention and dropout is None:
+        from keras_vit.kernels import fused
+
+        return fused.attention(qkv, num_heads, training=bool(training))
+    if target.tensorflow_cpu:
+        from keras_vit.kernels import tf_cpu
+
+        if training:
+            return tf_cpu.attention_for_training(qkv, num_heads, dropout)
+        if _onednn():
+            return tf_cpu.attention_for_inference(qkv, num_heads)
+    return reference.attention(qkv, num_heads, training, dropout)[0]
+
+
+def layer_norm(x, gamma, beta, epsilon, *, training=False):
+    """Layer normalisation over the last axis with scale `gamma` and offset `beta`."""
+    target = current()
+    if target.tensorflow_cpu:
+        from keras_vit.kernels import tf_cpu
+
+        if not training and _onednn():
+            return tf_cpu.layer_norm_for_inference(x, gamma, beta, epsilon)
+        if x.dtype == "float32":
+            return tf_cpu.layer_norm_for_training(x, gamma, beta, epsilon)
+    return reference.layer_norm(x, gamma, beta, epsilon)
+
+
+def dense(x, kernel, bias=None, activation=None):
+    """activation(x @ kernel + bias) over the last axis; activation None or "gelu" (exact)."""
+    if activation not in reference.ACTIVATIONS:
+        raise ValueError(
+            f"`activation` must be one of {sorted(map(str, reference.ACTIVATIONS))}. "
+            f"Received: activation={activation!r}"
+        )
+    if current().backend == "tensorflow":
+        from keras_vit.kernels import tf_ops
+
+        return tf_ops.dense(x, kernel, bias, activation)
+    return reference.dense(x, kernel, bias, activation)
+
+
+def dropout(x, rate, seed_generator, noise_shape=None):
+    """Training-mode dropout: elements kept with probability 1 - rate, scaled by 1 / (1 - rate)."""
+    target = current()
+    if target.tensorflow_cpu and noise_shape is None and 0.0 < rate < 1.0:
+        if compat.in_xla_context():
+            from keras_vit.kernels import tf_cpu
+
+            return tf_cpu.dropout_in_xla(x, rate, seed_generator)
+    return reference.dropout(x, rate, seed_generator, noise_shape)
+
+
+def _onednn():
+    """Whether TensorFlow runs oneDNN's CPU kernels and graph rewrites: by default on CPUs with
+    AVX512-VNNI, AVX512-BF16 or AMX, or with TF_ENABLE_ONEDNN_OPTS=1."""
+    return compat.onednn_enabled()

@@ -1,0 +1,89 @@
+"""The reference form of each kernel, in `keras.ops` only.
+
+These are the definitions: every other form in `keras_vit.kernels` computes
+the same function (the tests compare them), and they are what runs wherever no
+other form applies and inside `portable_ops()`.
+"""
+
+import math
+
+import keras
+from keras import ops
+
+
+def gelu(x):
+    """GELU with the Gaussian CDF through erf: x * (1 + erf(x / sqrt(2))) / 2.
+
+    The function of `ops.gelu(x, approximate=False)`, whose TensorFlow kernel
+    uses erfc, an op ONNX lacks; erf converts to ONNX and TFLite alike.
+    """
+    return 0.5 * x * (1.0 + ops.erf(x * ops.cast(1.0 / math.sqrt(2.0), x.dtype)))
+
+
+ACTIVATIONS = {None: lambda x: x, "gelu": gelu}
+
+
+def dense(x, kernel, bias, activation=None):
+    """activation(x @ kernel + bias) over the last axis, in x's dtype.
+
+    Weights are cast to x's dtype: under a mixed policy the variables are
+    float32 and the activations 16-bit.
+    """
+    y = ops.matmul(x, ops.cast(kernel, x.dtype))
+    if bias is not None:
+        y = y + ops.cast(bias, x.dtype)
+    return ACTIVATIONS[activation](y)
+
+
+def layer_norm(x, gamma, beta, epsilon):
+    """(x - mean) / sqrt(var + epsilon) * gamma + beta over the last axis, in x's dtype
+    (computed in float32 at least, as `keras.layers.LayerNormalization` does)."""
+    return ops.cast(ops.layer_normalization(x, gamma, beta, axis=-1, epsilon=epsilon), x.dtype)
+
+
+def dropout(x, rate, seed, noise_shape=None):
+    """Zeroes elements with probability `rate` and scales the rest by 1 / (1 - rate)."""
+    return keras.random.dropout(x, rate, noise_shape=noise_shape, seed=seed)
+
+
+def split_heads(qkv, num_heads):
+    """(batch, tokens, 3 * hidden) -> query, key, value, each (batch, heads, tokens, head_dim)."""
+    tokens, width = qkv.shape[1], qkv.shape[2]
+    head_dim = width // (3 * num_heads)
+    qkv = ops.reshape(qkv, (-1, tokens, 3, num_heads, head_dim))
+    # Unstacking the projections: its gradient is one stack, where indexing's is one
+    # full-size zero tensor per index.
+    return ops.unstack(ops.transpose(qkv, (2, 0, 3, 1, 4)), 3, axis=0)
+
+
+def merge_heads(x):
+    """(batch, heads, tokens, head_dim) -> (batch, tokens, heads * head_dim)."""
+    heads, tokens, head_dim = x.shape[1], x.shape[2], x.shape[3]
+    return ops.reshape(ops.transpose(x, (0, 2, 1, 3)), (-1, tokens, heads * head_dim))
+
+
+def attention(qkv, num_heads, training=False, dropout=None):
+    """softmax(q k^T / sqrt(head_dim)) v per head (paper eq. 5-8, appendix A).
+
+    Args:
+        qkv: (batch, tokens, 3 * hidden), the query, key and value projections
+            side by side, heads inside each.
+        num_heads: heads.
+        training: whether `dropout` applies.
+        dropout: None, or a callable (x, training) applied to the probabilities.
+
+    Returns:
+        (attended (batch, tokens, hidden), probabilities (batch, heads, tokens,
+        tokens) in float32).
+    """
+    query, key, value = split_heads(qkv, num_heads)
+    dtype = query.dtype
+    query = query * ops.cast(1.0 / math.sqrt(query.shape[-1]), dtype)
+    logits = ops.matmul(query, ops.swapaxes(key, -1, -2))
+    # Softmax in float32: bfloat16's 8 bits of mantissa are too few to
+    # normalise a row of a few hundred probabilities.
+    probabilities = ops.softmax(ops.cast(logits, "float32"), axis=-1)
+    weights = ops.cast(probabilities, dtype)
+    if dropout is not None:
+        weights = dropout(weights, training=training)
+    return merge_heads(ops.matmul(weights, value)), probabilities

@@ -1,0 +1,22 @@
+"""TensorFlow forms for any device."""
+
+import tensorflow as tf
+from keras import ops
+
+from keras_vit.kernels import reference
+
+
+def dense(x, kernel, bias, activation=None):
+    """The reference `dense` as a 2-D MatMul, then BiasAdd (then GELU).
+
+    TensorFlow's graph optimiser fuses MatMul + BiasAdd + activation into one
+    kernel (oneDNN's on a CPU, cuBLASLt's epilogue on a GPU); MatMul + AddV2
+    only gets the bias fused, and a 3-D matmul none of it.
+    """
+    shape = x.shape
+    kernel = ops.cast(kernel, x.dtype)
+    y = tf.matmul(tf.reshape(x, (-1, shape[-1])), kernel)
+    if bias is not None:
+        y = tf.nn.bias_add(y, ops.cast(bias, x.dtype))
+    y = reference.ACTIVATIONS[activation](y)
+    return tf.reshape(y, (-1, *shape[1:-1], kernel.shape[-1]))

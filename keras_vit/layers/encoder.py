@@ -1,0 +1,152 @@
+"""The Transformer encoder block and the pooling of its tokens (paper eq. 2-4)."""
+
+import keras
+from keras import ops
+
+from keras_vit.layers.attention import MultiHeadSelfAttention
+from keras_vit.layers.common import check_positive_int, check_rate, register
+from keras_vit.layers.core import Dense, Dropout, LayerNormalization
+
+
+@register
+class TransformerBlock(keras.layers.Layer):
+    """One pre-norm encoder block (paper eq. 2-3).
+
+    z' = z + DropPath(Dropout(MSA(LN(z))))
+    z  = z' + DropPath(MLP(LN(z'))),  MLP = Dense(mlp_dim) -> GELU (exact) ->
+         Dropout -> Dense(hidden) -> Dropout
+
+    Args:
+        num_heads: attention heads.
+        mlp_dim: width of the MLP's hidden layer.
+        dropout_rate: dropout after the attention and in the MLP.
+        attention_dropout_rate: dropout on the attention probabilities.
+        stochastic_depth_rate: probability of dropping the block's residual
+            branches for a whole sample in training (Huang et al. 2016).
+        layer_norm_epsilon: 1e-6, as in the original implementation.
+        seed: seed of the dropouts and of stochastic depth.
+
+    Sublayers: `attention_norm`, `attention`, `mlp_norm`, `mlp_dense_1`,
+    `mlp_dense_2`.
+
+    >>> block = TransformerBlock(num_heads=2, mlp_dim=16)
+    >>> tuple(block(keras.ops.zeros((1, 5, 8))).shape)
+    (1, 5, 8)
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        mlp_dim,
+        dropout_rate=0.0,
+        attention_dropout_rate=0.0,
+        stochastic_depth_rate=0.0,
+        layer_norm_epsilon=1e-6,
+        seed=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_heads = check_positive_int("num_heads", num_heads)
+        self.mlp_dim = check_positive_int("mlp_dim", mlp_dim)
+        self.dropout_rate = check_rate("dropout_rate", dropout_rate)
+        self.attention_dropout_rate = check_rate("attention_dropout_rate", attention_dropout_rate)
+        self.stochastic_depth_rate = check_rate("stochastic_depth_rate", stochastic_depth_rate)
+        self.layer_norm_epsilon = float(layer_norm_epsilon)
+        self.seed = seed
+
+    def build(self, input_shape):
+        if len(input_shape) != 3 or input_shape[-1] is None:
+            raise ValueError(
+                "TransformerBlock expects tokens of shape (batch, tokens, hidden) with a static "
+                f"hidden width. Received: input_shape={tuple(input_shape)}"
+            )
+        hidden, policy = input_shape[-1], self.dtype_policy
+        self.attention_norm = LayerNormalization(epsilon=self.layer_norm_epsilon, dtype=policy, name="attention_norm")
+        self.attention = MultiHeadSelfAttention(
+            self.num_heads, dropout_rate=self.attention_dropout_rate, seed=self.seed, dtype=policy, name="attention"
+        )
+        self.mlp_norm = LayerNormalization(epsilon=self.layer_norm_epsilon, dtype=policy, name="mlp_norm")
+        self.mlp_dense_1 = Dense(self.mlp_dim, activation="gelu", dtype=policy, name="mlp_dense_1")
+        self.mlp_dense_2 = Dense(hidden, dtype=policy, name="mlp_dense_2")
+        self.dropout = Dropout(self.dropout_rate, seed=self.seed)
+        self.seed_generator = keras.random.SeedGenerator(self.seed)
+        for layer, shape in (
+            (self.attention_norm, input_shape),
+            (self.attention, input_shape),
+            (self.mlp_norm, input_shape),
+            (self.mlp_dense_1, input_shape),
+            (self.mlp_dense_2, (*input_shape[:-1], self.mlp_dim)),
+        ):
+            layer.build(shape)
+
+    def call(self, inputs, training=None, return_attention_scores=False):
+        # Eq. 2: z' = MSA(LN(z)) + z.
+        attended = self.attention(
+            self.attention_norm(inputs, training=training),
+            training=training,
+            return_attention_scores=return_attention_scores,
+        )
+        if return_attention_scores:
+            attended, scores = attended
+        x = inputs + self._drop_path(self.dropout(attended, training=training), training)
+        # Eq. 3: z = MLP(LN(z')) + z'.
+        y = self.mlp_dense_1(self.mlp_norm(x, training=training))
+        y = self.mlp_dense_2(self.dropout(y, training=training))
+        outputs = x + self._drop_path(self.dropout(y, training=training), training)
+        if return_attention_scores:
+            return outputs, scores
+        return outputs
+
+    def _drop_path(self, x, training):
+        """Stochastic depth: zero the residual branch of whole samples, scale the rest by 1 / keep."""
+        if not training or self.stochastic_depth_rate == 0.0:
+            return x
+        keep = 1.0 - self.stochastic_depth_rate
+        noise = keras.random.uniform((ops.shape(x)[0], 1, 1), seed=self.seed_generator)
+        return x * (ops.cast(noise < keep, x.dtype) / ops.cast(keep, x.dtype))
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "num_heads": self.num_heads,
+            "mlp_dim": self.mlp_dim,
+            "dropout_rate": self.dropout_rate,
+            "attention_dropout_rate": self.attention_dropout_rate,
+            "stochastic_depth_rate": self.stochastic_depth_rate,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "seed": self.seed,
+        }
+
+
+@register
+class TokenPooling(keras.layers.Layer):
+    """Pools the encoder's tokens into one vector per image (paper eq. 4's z_L^0).
+
+    "token": the class token (the first token); "gap": the mean of all tokens
+    (models built with classifier "gap" have no class token).
+
+    >>> tuple(TokenPooling("gap")(keras.ops.ones((2, 5, 8))).shape)
+    (2, 8)
+    """
+
+    METHODS = ("token", "gap")
+
+    def __init__(self, method="token", **kwargs):
+        super().__init__(**kwargs)
+        if method not in self.METHODS:
+            raise ValueError(f"`method` must be one of {self.METHODS}. Received: method={method!r}")
+        self.method = method
+
+    def call(self, tokens):
+        if self.method == "token":
+            return tokens[:, 0]
+        return ops.mean(tokens, axis=1)
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], input_shape[-1])
+
+    def get_config(self):
+        return {**super().get_config(), "method": self.method}

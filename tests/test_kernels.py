@@ -1,0 +1,439 @@
+"""keras_vit.kernels: each fast form against its reference form, and which form runs where."""
+
+import pathlib
+import re
+
+import keras
+import numpy as np
+import pytest
+
+from keras_vit import kernels
+from keras_vit.kernels import policy, reference
+
+tensorflow_only = pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow forms")
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _traced_output_and_gradients(function, inputs, upstream, jit_compile):
+    """[function(*inputs), then the gradients of <function(*inputs), upstream> with respect to
+    each input], computed in a tf.function with `jit_compile`."""
+    import tensorflow as tf
+
+    @tf.function(jit_compile=jit_compile)
+    def run(*inputs):
+        with tf.GradientTape() as tape:
+            tape.watch(inputs)
+            y = function(*inputs)
+        return [y, *tape.gradient(y, list(inputs), output_gradients=upstream)]
+
+    return [t.numpy() for t in run(*[tf.constant(x) for x in inputs])]
+
+
+def _op_types(function, *specs):
+    graph = function.get_concrete_function(*specs).graph
+    types = [op.type for op in graph.get_operations()]
+    for function_def in graph.as_graph_def().library.function:  # Nested functions (custom gradients).
+        types += [node.op for node in function_def.node_def]
+    return types
+
+
+# === The layers hold no platform code ===
+
+
+def test_the_layers_hold_no_backend_or_device_specific_code():
+    layers = pathlib.Path(kernels.__file__).parents[1] / "layers"
+    sources = {path.name: path.read_text() for path in layers.glob("*.py")}
+    assert {"attention.py", "embedding.py", "encoder.py"} <= set(sources)
+    forbidden = r"import tensorflow|\btf\.|keras\.src|tensorflow\.python|backend\.backend\(\)|\bjax\b|\btorch\b|device"
+    for name, text in sources.items():
+        assert not re.search(forbidden, text), (name, re.search(forbidden, text).group(0))
+
+
+# === Reference forms against NumPy ===
+
+
+def test_reference_attention_is_the_papers_formula():
+    batch, tokens, heads, head_dim = 2, 7, 3, 4
+    hidden = heads * head_dim
+    qkv = _rng(0).normal(size=(batch, tokens, 3 * hidden)).astype("float32")
+    attended, probabilities = reference.attention(qkv, heads)
+    q, k, v = (qkv[..., i * hidden : (i + 1) * hidden].reshape(batch, tokens, heads, head_dim) for i in range(3))
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(head_dim)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    expected = np.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, tokens, hidden)
+    np.testing.assert_allclose(np.asarray(probabilities), weights, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(attended), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_layer_norm_dense_and_gelu():
+    rng = _rng(1)
+    x = rng.normal(2.0, 3.0, (3, 5, 16)).astype("float32")
+    gamma, beta = rng.normal(1.0, 0.5, 16).astype("float32"), rng.normal(0.0, 0.5, 16).astype("float32")
+    centred = x - x.mean(-1, keepdims=True)
+    expected = centred / np.sqrt((centred**2).mean(-1, keepdims=True) + 1e-6) * gamma + beta
+    np.testing.assert_allclose(np.asarray(reference.layer_norm(x, gamma, beta, 1e-6)), expected, rtol=1e-5, atol=1e-5)
+
+    from scipy.special import erf
+
+    kernel, bias = rng.normal(size=(16, 8)).astype("float32"), rng.normal(size=8).astype("float32")
+    pre = x @ kernel + bias
+    np.testing.assert_allclose(np.asarray(reference.dense(x, kernel, bias)), pre, rtol=1e-5, atol=1e-4)
+    gelu = 0.5 * pre * (1 + erf(pre / np.sqrt(2)))
+    np.testing.assert_allclose(np.asarray(reference.dense(x, kernel, bias, "gelu")), gelu, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match=r"activation='relu'"):
+        kernels.dense(x, kernel, bias, activation="relu")
+
+
+# === Fast forms against the reference forms ===
+
+
+@tensorflow_only
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_tensorflow_dense_matches_the_reference(dtype, tolerance):
+    from keras_vit.kernels import tf_ops
+
+    rng = _rng(2)
+    x = keras.ops.cast(rng.normal(size=(2, 9, 16)), dtype)
+    kernel, bias = rng.normal(0, 0.3, (16, 24)).astype("float32"), rng.normal(size=24).astype("float32")
+    for activation in (None, "gelu"):
+        got = tf_ops.dense(x, kernel, bias, activation)
+        want = reference.dense(x, kernel, bias, activation)
+        assert got.dtype == want.dtype == x.dtype and tuple(got.shape) == (2, 9, 24)
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(keras.ops.cast(got, "float32")),
+            keras.ops.convert_to_numpy(keras.ops.cast(want, "float32")),
+            rtol=tolerance,
+            atol=tolerance,
+        )
+
+
+@tensorflow_only
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_cpu_inference_layer_norm_matches_the_reference(dtype, tolerance):
+    import tensorflow as tf
+
+    from keras_vit.kernels import tf_cpu
+
+    rng = _rng(3)
+    x = tf.cast(rng.normal(2.0, 3.0, (3, 7, 40)), dtype)
+    gamma, beta = rng.normal(1.0, 0.5, 40).astype("float32"), rng.normal(0.0, 0.5, 40).astype("float32")
+    want = reference.layer_norm(x, gamma, beta, 1e-6)
+    for function in (tf_cpu.layer_norm_for_inference, tf.function(tf_cpu.layer_norm_for_inference)):
+        got = function(x, gamma, beta, 1e-6)
+        assert got.dtype == x.dtype
+        np.testing.assert_allclose(
+            tf.cast(got, tf.float32).numpy(), tf.cast(want, tf.float32).numpy(), rtol=tolerance, atol=tolerance
+        )
+
+
+@tensorflow_only
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_cpu_training_layer_norm_matches_the_reference_and_its_gradients(jit_compile):
+    from keras_vit.kernels import tf_cpu
+
+    rng = _rng(4)
+    x = rng.normal(2.0, 3.0, (3, 7, 40)).astype("float32")
+    gamma, beta = rng.normal(1.0, 0.5, 40).astype("float32"), rng.normal(0.0, 0.5, 40).astype("float32")
+    upstream = rng.normal(size=(3, 7, 40)).astype("float32")
+    got = _traced_output_and_gradients(
+        lambda x, g, b: tf_cpu.layer_norm_for_training(x, g, b, 1e-6), [x, gamma, beta], upstream, jit_compile
+    )
+    want = _traced_output_and_gradients(
+        lambda x, g, b: reference.layer_norm(x, g, b, 1e-6), [x, gamma, beta], upstream, jit_compile
+    )
+    for name, g, w in zip(("output", "input", "gamma", "beta"), got, want):
+        assert np.abs(w).max() > 0.1, name  # Values that could differ.
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@tensorflow_only
+@pytest.mark.parametrize("batch, jit_compile", [(4, True), (4, False), (3, True)])
+def test_cpu_training_attention_matches_the_reference_and_its_gradients(batch, jit_compile):
+    """Halves of an even batch, the gradient written out; logits in the hundreds, where an
+    unshifted exp would overflow."""
+    from keras_vit.kernels import tf_cpu
+
+    rng = _rng(5)
+    qkv = rng.normal(size=(batch, 11, 3 * 12)).astype("float32")
+    qkv[..., :12] *= 30.0
+    upstream = rng.normal(size=(batch, 11, 12)).astype("float32")
+    got = _traced_output_and_gradients(lambda x: tf_cpu.attention_for_training(x, 3), [qkv], upstream, jit_compile)
+    want = _traced_output_and_gradients(lambda x: reference.attention(x, 3)[0], [qkv], upstream, jit_compile)
+    assert np.isfinite(got[0]).all() and np.abs(want[1]).max() > 0.1
+    for name, g, w in zip(("output", "qkv"), got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@tensorflow_only
+def test_cpu_attention_forms_trace_what_they_promise():
+    import tensorflow as tf
+
+    from keras_vit.kernels import tf_cpu
+
+    def op_types(function, batch, dtype=tf.float32):
+        return _op_types(tf.function(function), tf.TensorSpec((batch, 5, 18), dtype))
+
+    def training(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf_cpu.attention_for_training(x, 3)
+        return tape.gradient(y, x)
+
+    # Two halves of an even static batch, one piece otherwise; no Softmax (the gradient is written out).
+    assert op_types(training, 4).count("BatchMatMulV2") >= 2 * op_types(training, 3).count("BatchMatMulV2")
+    assert "Softmax" not in op_types(training, 4)
+    assert op_types(training, None).count("Split") == 0
+    # With dropout: the reference form in each half.
+    dropout = keras.layers.Dropout(0.5, seed=0)
+    assert "Softmax" in op_types(lambda x: tf_cpu.attention_for_training(x, 3, dropout), 4)
+    # 16-bit inference with oneDNN: the softmax without the two casts around it.
+    from keras_vit import compat
+
+    fast = op_types(lambda x: tf_cpu.attention_for_inference(x, 3), 2, tf.bfloat16).count("Cast")
+    plain = op_types(lambda x: reference.attention(x, 3)[0], 2, tf.bfloat16).count("Cast")
+    assert fast == (plain - 2 if compat.onednn_enabled() else plain), (fast, plain)
+
+
+@tensorflow_only
+def test_cpu_bfloat16_inference_attention_matches_the_reference():
+    import tensorflow as tf
+
+    from keras_vit.kernels import tf_cpu
+
+    qkv = tf.cast(_rng(6).normal(size=(2, 13, 3 * 16)), tf.bfloat16)
+    got = tf.cast(tf_cpu.attention_for_inference(qkv, 4), tf.float32).numpy()
+    want = tf.cast(reference.attention(qkv, 4)[0], tf.float32).numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_attention_matches_the_reference(monkeypatch):
+    """`keras.ops.dot_product_attention` (the form for GPUs and TPUs off TensorFlow), forced here,
+    gives the reference form's numbers; training asks for no flash kernel."""
+    from keras_vit.kernels import fused
+
+    calls = []
+    dot_product_attention = keras.ops.dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("flash_attention"))
+        return dot_product_attention(*args, **kwargs)
+
+    monkeypatch.setattr(fused.ops, "dot_product_attention", spy)
+    qkv = _rng(7).normal(size=(2, 11, 3 * 24)).astype("float32")
+    want = keras.ops.convert_to_numpy(reference.attention(qkv, 3)[0])
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(fused.attention(qkv, 3)), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(fused.attention(qkv, 3, training=True)), want, rtol=1e-5, atol=1e-5
+    )
+    assert calls == [None, False]
+
+    # The entry point: forced on, it is used unless probabilities or dropout are asked for.
+    calls.clear()
+    dropout = keras.layers.Dropout(0.5, seed=0)
+    with kernels.fused_attention(True):
+        kernels.attention(qkv, 3)
+        kernels.attention(qkv, 3, return_probabilities=True)
+        kernels.attention(qkv, 3, training=True, dropout=dropout)
+        kernels.attention(qkv, 3, training=False, dropout=dropout)  # Dropout is off in inference.
+    with kernels.fused_attention(False):
+        kernels.attention(qkv, 3)
+    assert calls == [None, None]
+
+
+@tensorflow_only
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_dropout_masks_come_from_threefry_in_xla_compiled_cpu_steps(jit_compile):
+    import tensorflow as tf
+
+    from keras_vit.layers import Dropout
+
+    def algorithms(function, *args):
+        """The `alg` inputs (TensorFlow's Algorithm enum: 1 Philox, 2 ThreeFry, 3 auto) of the
+        stateless random ops traced by `function`."""
+        graph = function.get_concrete_function(*args).graph
+        return sorted(
+            int(tf.get_static_value(op.inputs[3]))
+            for op in graph.get_operations()
+            if op.type == "StatelessRandomUniformV2"
+        )
+
+    rate = 0.25
+    layer = Dropout(rate, seed=7)
+    x = tf.ones((64, 65, 128))
+    step = tf.function(lambda x: layer(x, training=True), jit_compile=jit_compile)
+    # XLA compiles ThreeFry; TensorFlow's CPU kernels have Philox only (auto picks it).
+    assert algorithms(step, x) == ([2] if jit_compile else [3])
+
+    first, second = np.asarray(step(x)), np.asarray(step(x))
+    for out in (first, second):
+        # Kept elements scaled by 1 / (1 - rate), the rest zero, at the rate:
+        # 532,480 draws, so the fraction's standard deviation is 6e-4.
+        np.testing.assert_allclose(out[out != 0], 1 / (1 - rate), rtol=1e-6)
+        assert abs((out == 0).mean() - rate) < 4e-3
+    assert (first != second).mean() > 0.3  # A new mask each call.
+    again = Dropout(rate, seed=7)  # The same seed gives the same masks.
+    replay = tf.function(lambda x: again(x, training=True), jit_compile=jit_compile)
+    np.testing.assert_array_equal(replay(x), first)
+    np.testing.assert_array_equal(layer(x, training=False), x)
+
+
+# === Which form runs where: decided per trace ===
+
+
+def _fake_accelerator(monkeypatch, kind):
+    """Makes TensorFlow report a logical `kind` device ("GPU" or "TPU") as the kernels read it."""
+    import tensorflow as tf
+
+    real = tf.config.list_logical_devices
+
+    def list_logical_devices(device_type=None):
+        if device_type == kind:
+            return [tf.config.LogicalDevice(name=f"/device:{kind}:0", device_type=kind)]
+        return real(device_type)
+
+    monkeypatch.setattr(tf.config, "list_logical_devices", list_logical_devices)
+
+
+@tensorflow_only
+def test_the_target_is_read_at_every_trace(monkeypatch):
+    import tensorflow as tf
+
+    assert kernels.current() == policy.Target("tensorflow", "cpu")
+    assert kernels.current().tensorflow_cpu and not kernels.current().use_fused_attention
+    with kernels.portable_ops():
+        assert kernels.current().portable and not kernels.current().tensorflow_cpu
+        with kernels.fused_attention(True):
+            assert kernels.current().use_fused_attention
+    assert not kernels.current().portable
+    # A strategy's devices: two logical CPUs are a CPU.
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        assert kernels.current().device == "cpu"
+    for kind in ("GPU", "TPU"):
+        with monkeypatch.context() as patch:
+            _fake_accelerator(patch, kind)
+            assert kernels.current().device == kind.lower() and not kernels.current().tensorflow_cpu
+    assert kernels.current().device == "cpu"  # Nothing remembered.
+    assert policy._kind(["/job:worker/replica:0/task:1/device:TPU:3"]) == "tpu"
+    assert policy._kind(["cuda:0"]) == policy._kind(["gpu:1"]) == "gpu"
+    assert policy._kind(["cpu:0", "/device:CPU:1"]) == "cpu"
+
+
+def _small_model():
+    import keras_vit
+
+    model = keras_vit.build_vit(
+        "testing", image_size=16, num_classes=5, num_layers=2, dropout_rate=0.1, classifier="token"
+    )
+    # Learning rate 0: fit steps leave the weights as they are, so predictions can be compared.
+    model.compile(keras.optimizers.SGD(0.0), loss="sparse_categorical_crossentropy", jit_compile=True)
+    return model
+
+
+def _traced_ops(monkeypatch, model, run):
+    """The op types of every graph in which `run()` traces a kernel entry point."""
+    graphs = []
+    current = policy.current
+
+    def recording_current():
+        import tensorflow as tf
+
+        graph = tf.compat.v1.get_default_graph()
+        if graph not in graphs:
+            graphs.append(graph)
+        return current()
+
+    monkeypatch.setattr(policy, "current", recording_current)
+    import keras_vit.kernels as kernels_module
+
+    monkeypatch.setattr(kernels_module, "current", recording_current)
+    try:
+        run()
+    finally:
+        monkeypatch.setattr(policy, "current", current)
+        monkeypatch.setattr(kernels_module, "current", current)
+    types = []
+    for graph in graphs:
+        if hasattr(graph, "get_operations"):
+            types += [op.type for op in graph.get_operations()]
+            types += [n.op for f in graph.as_graph_def().library.function for n in f.node_def]
+    return types
+
+
+@tensorflow_only
+def test_a_model_traced_on_a_cpu_then_for_an_accelerator_gets_no_cpu_forms(monkeypatch):
+    """Keras' predict and a fit step, traced for the CPU (after an eager call), then traced again
+    for a (simulated) GPU: the first graphs carry the CPU forms, the second none of them."""
+    from keras_vit import compat
+
+    model = _small_model()
+    images = _rng(8).integers(0, 256, (4, 16, 16, 3)).astype("float32")
+    labels = np.arange(4) % 5
+    model(images)  # An eager call first.
+
+    def predict():
+        return model.predict(images, batch_size=4, verbose=0)
+
+    def fit():
+        model.fit(images, labels, batch_size=4, epochs=1, verbose=0)
+
+    def traced_for(kind):
+        with monkeypatch.context() as patch:
+            if kind:
+                _fake_accelerator(patch, kind)
+            model.make_predict_function(force=True)
+            model.make_train_function(force=True)
+            predict_ops, predictions = _traced_ops(patch, model, predict), predict()
+            fit_ops = _traced_ops(patch, model, fit)
+        return predict_ops, predictions, fit_ops
+
+    cpu_predict_ops, cpu_predictions, cpu_fit_ops = traced_for(None)
+    gpu_predict_ops, gpu_predictions, gpu_fit_ops = traced_for("GPU")
+    cpu_again = traced_for(None)
+
+    # The CPU forms: oneDNN's layer norm subgraph (where TensorFlow has oneDNN) in predict; in the
+    # XLA-compiled fit step the layer norms' channel means as matmuls, the attention's written-out
+    # gradient (no Softmax) in two halves of the batch.
+    assert ("FusedBatchNormV3" in cpu_predict_ops) == compat.onednn_enabled()
+    assert "Softmax" in cpu_predict_ops
+    assert "FusedBatchNormV3" not in cpu_fit_ops and "Softmax" not in cpu_fit_ops
+    assert cpu_fit_ops.count("Split") >= 2
+
+    cpu_only = {"FusedBatchNormV3", "PlaceholderWithDefault", "Split"}
+    assert not cpu_only & set(gpu_predict_ops), sorted(cpu_only & set(gpu_predict_ops))
+    assert not cpu_only & set(gpu_fit_ops), sorted(cpu_only & set(gpu_fit_ops))
+    assert "Softmax" in gpu_fit_ops and gpu_fit_ops.count("Mean") > cpu_fit_ops.count("Mean")
+    # And back on the CPU, its forms again: nothing was remembered.
+    assert sorted(cpu_again[0]) == sorted(cpu_predict_ops) and sorted(cpu_again[2]) == sorted(cpu_fit_ops)
+    # No op outside TensorFlow's own: a custom op would not be in tf.raw_ops.
+    import tensorflow as tf
+
+    unknown = {t for t in gpu_predict_ops + gpu_fit_ops if not hasattr(tf.raw_ops, t)}
+    assert not unknown, unknown
+    # Other forms, same numbers (the "GPU" graphs still run on this CPU).
+    np.testing.assert_allclose(gpu_predictions, cpu_predictions, rtol=1e-4, atol=1e-5)
+
+
+@tensorflow_only
+def test_the_name_of_the_calling_function_does_not_choose_the_kernels():
+    """A caller's function named like one of Keras' trainer functions traces what any other does."""
+    import tensorflow as tf
+
+    import keras_vit
+
+    model = keras_vit.build_vit("testing", image_size=16, num_classes=5, num_layers=1)
+    spec = tf.TensorSpec((2, 16, 16, 3))
+
+    def one_step_on_data(x):
+        return model(x, training=False)
+
+    def serve(x):
+        return model(x, training=False)
+
+    same_name, other_name = (sorted(_op_types(tf.function(f), spec)) for f in (one_step_on_data, serve))
+    assert same_name == other_name
+    assert all(hasattr(tf.raw_ops, op) for op in same_name), sorted(set(same_name))
