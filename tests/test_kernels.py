@@ -190,12 +190,10 @@ def test_cpu_attention_forms_trace_what_they_promise():
     # With dropout: the reference form in each half.
     dropout = keras.layers.Dropout(0.5, seed=0)
     assert "Softmax" in op_types(lambda x: tf_cpu.attention_for_training(x, 3, dropout), 4)
-    # 16-bit inference with oneDNN: the softmax without the two casts around it.
-    from keras_vit import compat
-
+    # 16-bit inference (the form for oneDNN): the softmax without the two casts around it.
     fast = op_types(lambda x: tf_cpu.attention_for_inference(x, 3), 2, tf.bfloat16).count("Cast")
     plain = op_types(lambda x: reference.attention(x, 3)[0], 2, tf.bfloat16).count("Cast")
-    assert fast == (plain - 2 if compat.onednn_enabled() else plain), (fast, plain)
+    assert fast == plain - 2, (fast, plain)
 
 
 @tensorflow_only
@@ -279,6 +277,40 @@ def test_dropout_masks_come_from_threefry_in_xla_compiled_cpu_steps(jit_compile)
     replay = tf.function(lambda x: again(x, training=True), jit_compile=jit_compile)
     np.testing.assert_array_equal(replay(x), first)
     np.testing.assert_array_equal(layer(x, training=False), x)
+
+
+@tensorflow_only
+@pytest.mark.parametrize("onednn", [True, False])
+def test_each_cpu_form_is_chosen_where_the_table_says(monkeypatch, onednn):
+    """The entry points' choices on TensorFlow on a CPU, with and without oneDNN."""
+    import tensorflow as tf
+
+    monkeypatch.setattr(kernels, "_onednn", lambda: onednn)
+    gamma, beta = np.ones(8, "float32"), np.zeros(8, "float32")
+
+    def layer_norm_ops(training, dtype):
+        spec = tf.TensorSpec((2, 5, 8), dtype)
+        return _op_types(tf.function(lambda x: kernels.layer_norm(x, gamma, beta, 1e-6, training=training)), spec)
+
+    inference = layer_norm_ops(False, tf.float32)
+    assert ("FusedBatchNormV3" in inference) == onednn and "MatMul" not in inference, inference
+    assert layer_norm_ops(True, tf.float32).count("MatMul") == 2  # Channel means as matmuls.
+    assert not {"FusedBatchNormV3", "MatMul"} & set(layer_norm_ops(True, tf.bfloat16))  # The reference form.
+    assert ("FusedBatchNormV3" in layer_norm_ops(False, tf.bfloat16)) == onednn
+    with kernels.portable_ops():
+        assert not {"FusedBatchNormV3", "MatMul"} & set(layer_norm_ops(False, tf.float32) + layer_norm_ops(True, tf.float32))
+
+    def attention_ops(training, dtype, batch=4):
+        spec = tf.TensorSpec((batch, 5, 24), dtype)
+        return _op_types(tf.function(lambda x: kernels.attention(x, 2, training=training)), spec)
+
+    assert "Softmax" not in attention_ops(True, tf.float32) and "Split" in attention_ops(True, tf.float32)
+    assert "Split" in attention_ops(True, tf.bfloat16) and "Softmax" in attention_ops(True, tf.bfloat16)
+    assert "Split" not in attention_ops(False, tf.float32)
+    reference_casts = _op_types(tf.function(lambda x: reference.attention(x, 2)[0]), tf.TensorSpec((4, 5, 24), tf.bfloat16))
+    assert attention_ops(False, tf.bfloat16).count("Cast") == reference_casts.count("Cast") - 2 * onednn
+    with kernels.portable_ops():
+        assert "Split" not in attention_ops(True, tf.float32) and "Softmax" in attention_ops(True, tf.float32)
 
 
 # === Which form runs where: decided per trace ===
@@ -365,6 +397,7 @@ def _traced_ops(monkeypatch, model, run):
 
 
 @tensorflow_only
+@pytest.mark.slow
 def test_a_model_traced_on_a_cpu_then_for_an_accelerator_gets_no_cpu_forms(monkeypatch):
     """Keras' predict and a fit step, traced for the CPU (after an eager call), then traced again
     for a (simulated) GPU: the first graphs carry the CPU forms, the second none of them."""
@@ -437,3 +470,48 @@ def test_the_name_of_the_calling_function_does_not_choose_the_kernels():
     same_name, other_name = (sorted(_op_types(tf.function(f), spec)) for f in (one_step_on_data, serve))
     assert same_name == other_name
     assert all(hasattr(tf.raw_ops, op) for op in same_name), sorted(set(same_name))
+
+
+@tensorflow_only
+def test_tensorflow_fuses_the_dense_forms_matmul_and_bias():
+    """What `dense`'s 2-D MatMul + BiasAdd form is for: TensorFlow's optimiser runs each projection
+    as one fused kernel, with the GELU inside it where oneDNN is on."""
+    import keras_vit
+    from keras_vit import compat
+    from keras_vit.testing import traced_op_times
+
+    block = keras_vit.TransformerBlock(num_heads=2, mlp_dim=32)
+    block.build((None, 9, 16))
+    for weight in block.weights:  # Zero biases would be folded away before fusion.
+        weight.assign(_rng(9).normal(0.0, 0.2, weight.shape))
+    ops = [op for op, _ in traced_op_times(lambda x: block(x), np.ones((2, 9, 16), "float32"))]
+    fused = "_MklNativeFusedMatMul" if compat.onednn_enabled() else "_FusedMatMul"
+    assert ops.count(fused) == 4 and "BiasAdd" not in ops, ops  # QKV, attention output, MLP 1 and 2.
+    if compat.onednn_enabled():
+        assert "Erf" not in ops and ops.count("_MklLayerNorm") == 2, ops
+
+
+@pytest.mark.slow
+@tensorflow_only
+def test_the_onednn_forms_on_a_cpu_that_leaves_onednn_off():
+    """TensorFlow turns oneDNN on by default only on some CPUs: where it is off, the tests of the
+    forms it selects run again in a child process with TF_ENABLE_ONEDNN_OPTS=1."""
+    import os
+    import subprocess
+    import sys
+
+    from keras_vit import compat
+
+    if compat.onednn_enabled():
+        pytest.skip("oneDNN is on here: the tests above ran its forms")
+    tests = ["table", "fuses", "traced_on_a_cpu_then"]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", " or ".join(tests)],
+        cwd=pathlib.Path(__file__).parents[1],
+        env=dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert re.search(r"\b4 passed\b", result.stdout), result.stdout[-2000:]

@@ -68,10 +68,10 @@ def layer_norm(x, gamma, beta, epsilon, *, training=False):
     if target.tensorflow_cpu:
         from keras_vit.kernels import tf_cpu
 
+        if training and x.dtype == "float32":
+            return tf_cpu.layer_norm_for_training(x, gamma, beta, epsilon)
         if not training and _onednn():
             return tf_cpu.layer_norm_for_inference(x, gamma, beta, epsilon)
-        if x.dtype == "float32":
-            return tf_cpu.layer_norm_for_training(x, gamma, beta, epsilon)
     return reference.layer_norm(x, gamma, beta, epsilon)
 
 
