@@ -71,6 +71,15 @@ except ImportError:  # The JAX or PyTorch backend without TensorFlow: infer, tra
     tf = None
 
 import keras_vit
+from keras_vit import kernels
+from keras_vit.testing import (
+    BATCHED_MATMULS,
+    MATMULS,
+    hlo_instructions,
+    randomize_weights,
+    step_part,
+    traced_op_times,
+)
 
 _MODE = flags.DEFINE_enum(
     "mode",
@@ -265,7 +274,7 @@ def keras_contender(model, mode, images, labels, batch_size, jit_compile):
 
     On TensorFlow the batches come from a tf.data pipeline over tensors
     already in memory, the input a TensorFlow user gives `fit`; NumPy arrays
-    would add Keras' per-call array slicing pipeline (~40 ms) to every call.
+    would add Keras' per-call array slicing pipeline to every call.
     On the other backends they are backend tensors made once, so an
     accelerator's batches are already on it (as timm's are in its worker).
     """
@@ -279,10 +288,10 @@ def keras_contender(model, mode, images, labels, batch_size, jit_compile):
         model.compile(jit_compile=jit_compile)
     if keras.backend.backend() == "tensorflow":
         # tf.data's autotuning is off: with it on, deleting the iterator at the
-        # end of a `predict` or `fit` call (each timed call makes one) blocked
-        # for 170-200 ms in about one call of three (profiled: Ti/16, whose two
-        # batches take ~0.42 s), a cost of the harness, not of the model, that
-        # timm's loop does not pay. The batches are in memory either way.
+        # end of a `predict` or `fit` call (each timed call makes one) can block
+        # for a large part of a small model's call, a cost of the harness, not
+        # of the model, that timm's loop does not pay. The batches are in
+        # memory either way.
         options = tf.data.Options()
         options.autotune.enabled = False
         data = (
@@ -369,8 +378,8 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
 
     # === Matmul peak, warm-up (compilation), interleaved repetitions, matmul peak ===
     # The peak is timed before and after the repetitions, not between them:
-    # on the CPU the next calls after the matmuls ran slower (JAX: 55 ms
-    # instead of 8 for a small model's call, half a second later).
+    # on the CPU the calls that follow the large matmuls run slower for a
+    # while (seen on JAX with a small model).
     try:
         for function, argument in matmuls.values():
             timed(function, argument)
@@ -428,13 +437,12 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
 # === attention ===
 
 
-def randomized(model, seed=0):
-    """`model` with every weight drawn from N(0, 0.02): zero biases would be
-    constant-folded away, and identical outputs could hide a wrong path."""
-    rng = np.random.default_rng(seed)
-    for weight in model.weights:
-        weight.assign(rng.normal(0.0, 0.02, weight.shape).astype(weight.dtype))
-    return model
+def random_model(variant, image_size):
+    """The variant with 1000 classes and every weight drawn from N(0, 0.02): zero
+    biases would be constant-folded away, and identical outputs could hide a
+    wrong path."""
+    model = keras_vit.build_vit(variant, image_size=image_size, num_classes=1000)
+    return randomize_weights(model, scale=0.02, unit_scales=False)
 
 
 def compiled_forward(model, jit_compile):
@@ -456,20 +464,20 @@ def compiled_forward(model, jit_compile):
 def attention(variant, image_size, batch_size, precision, jit, repeats):
     """Fused vs explicit attention in the whole model; returns (max |difference|, {form: seconds})."""
     keras.mixed_precision.set_dtype_policy(precision)
-    model = randomized(keras_vit.build_vit(variant, image_size=image_size, num_classes=1000))
+    model = random_model(variant, image_size)
     jit_compile = keras_vit.training.resolve_jit_compile(jit, precision, training=False)
     rng = np.random.default_rng(1)
     images = keras.ops.convert_to_tensor(
         rng.uniform(0, 255, (batch_size, image_size, image_size, 3)).astype("float32")
     )
-    functions, outputs, kernels = {}, {}, {}
+    functions, outputs, cudnn = {}, {}, {}
     for form, fused in (("fused", True), ("explicit", False)):
         function = compiled_forward(model, jit_compile)
-        with keras_vit.layers.fused_attention(fused):  # Traced here, on the first call.
+        with kernels.fused_attention(fused):  # Traced here, on the first call.
             outputs[form] = keras.ops.convert_to_numpy(function(images)).astype("float32")
             if hasattr(function, "lowered"):
                 program = function.lowered(images).compile().as_text()
-                kernels[form] = "cudnn" in program and ("fmha" in program or "fused_attention" in program)
+                cudnn[form] = "cudnn" in program and ("fmha" in program or "fused_attention" in program)
         functions[form] = function
     medians = time_calls(functions, images, repeats)
     difference = float(np.max(np.abs(outputs["fused"] - outputs["explicit"])))
@@ -482,48 +490,13 @@ def attention(variant, image_size, batch_size, precision, jit, repeats):
         f"(largest |logit| {float(np.max(np.abs(outputs['explicit']))):.3g})"
     )
     for form, seconds in medians.items():
-        kernel = f", cuDNN attention kernel: {'yes' if kernels[form] else 'no'}" if form in kernels else ""
+        kernel = f", cuDNN attention kernel: {'yes' if cudnn[form] else 'no'}" if form in cudnn else ""
         print(f"  {form:9s} {1000 * seconds:9.2f} ms  {batch_size / seconds:10.1f} images/s{kernel}")
     print(f"fused / explicit speed: {medians['explicit'] / medians['fused']:.2f}x")
     return difference, medians
 
 
 # === profile ===
-
-
-def traced_op_times(function, feed, repeats=1):
-    """[(op type, seconds)] of every op that ran in `repeats` traced runs of `function` on `feed`.
-
-    The function is traced for `feed`'s shape, frozen (weights as constants)
-    and run by a TensorFlow session, once untraced as a warm-up, then with
-    full tracing: the way TensorFlow collects its own step statistics, after
-    its graph optimiser has fused what it fuses.
-    """
-    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
-
-    spec = tf.TensorSpec(feed.shape, feed.dtype)
-    frozen = convert_variables_to_constants_v2(tf.function(function).get_concrete_function(spec))
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.import_graph_def(frozen.graph.as_graph_def(), name="")
-    feeds = {frozen.inputs[0].name: feed}
-    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-    times = []
-    with tf.compat.v1.Session(graph=graph) as session:
-        session.run(frozen.outputs[0].name, feeds)
-        for _ in range(repeats):
-            metadata = tf.compat.v1.RunMetadata()
-            session.run(frozen.outputs[0].name, feeds, options=options, run_metadata=metadata)
-            times += [
-                (
-                    node.timeline_label.split(" = ")[1].split("(")[0],
-                    (node.op_end_rel_micros - node.op_start_rel_micros) / 1e6,
-                )
-                for device in metadata.step_stats.dev_stats
-                for node in device.node_stats
-                if " = " in node.timeline_label
-            ]
-    return times
 
 
 def profile(variant, image_size, batch_size, precision, repeats):
@@ -535,7 +508,7 @@ def profile(variant, image_size, batch_size, precision, repeats):
     import collections
 
     keras.mixed_precision.set_dtype_policy(precision)
-    model = randomized(keras_vit.build_vit(variant, image_size=image_size, num_classes=1000))
+    model = random_model(variant, image_size)
     rng = np.random.default_rng(0)
     images = rng.uniform(0, 255, (batch_size, image_size, image_size, 3)).astype("float32")
     seconds = collections.Counter()
@@ -555,103 +528,6 @@ def profile(variant, image_size, batch_size, precision, repeats):
 
 
 # === train_profile ===
-
-# What an op of the compiled training step belongs to, by the name of the
-# TensorFlow op it was lowered from (the HLO metadata's op_name), first match.
-_STEP_PARTS = (
-    ("optimizer (AdamW update)", ("adam", "optimizer")),
-    ("layer norms", ("norm",)),
-    ("attention: softmax, scaling, q/k/v layout", ("attention",)),
-    ("blocks: GELU, biases, residual sums", ("encoderblock",)),
-)
-
-
-_MATMULS = "matmuls: projections, MLP, patch embedding, head"
-_BATCHED_MATMULS = "matmuls: attention logits and values (batched)"
-_NATIVE_ATTENTION = "attention: native kernels (logits, softmax, values)"
-
-
-def _step_part(kind, op_name):
-    """The part of a training step that an HLO instruction of `kind` (see
-    `_hlo_instructions`) from the TensorFlow op `op_name` belongs to."""
-    lowered = op_name.lower()
-    # A layer norm's matmuls (its channel means, `layers._layer_norm_for_training`) count as the norm's.
-    if kind and not (kind == _MATMULS and "norm" in lowered):
-        return kind
-    part = next((part for part, keys in _STEP_PARTS if any(key in lowered for key in keys)), None)
-    return part or "other: patch embedding, head, loss, gradient sums"
-
-
-def _hlo_instructions(hlo):
-    """{instruction name: (kind, op_name)} of an HLO module's text.
-
-    The kind is `_BATCHED_MATMULS` for a dot with batch dimensions (the
-    attention's), `_MATMULS` for another dot or a convolution, the same for a
-    fusion or call whose computation (directly or through the computations it
-    calls) holds one, and "" otherwise.
-    """
-    import re
-
-    computations, current = {}, None
-    for line in hlo.splitlines():
-        header = re.match(r"(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
-        if header and "=" not in line.split("{")[0]:
-            current = computations.setdefault(header.group(1), [])
-            continue
-        instruction = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$", line)
-        if instruction is None or current is None:
-            continue
-        rest = instruction.group(2)
-        if rest.startswith("("):  # A tuple type: skip to its closing parenthesis.
-            depth = 0
-            for end, char in enumerate(rest):
-                depth += {"(": 1, ")": -1}.get(char, 0)
-                if depth == 0:
-                    break
-            rest = rest[end + 1 :].lstrip()
-        else:
-            rest = rest.split(" ", 1)[1] if " " in rest else ""
-        opcode = rest.split("(", 1)[0].strip()
-        kind = ""
-        if opcode == "dot":
-            kind = _BATCHED_MATMULS if re.search(r"lhs_batch_dims=\{\d", rest) else _MATMULS
-        elif opcode == "custom-call" and 'custom_call_target="keras_vit_attention' in rest:
-            kind = _NATIVE_ATTENTION  # keras_vit.native: the attention's matmuls with their softmax.
-        elif opcode == "convolution" or (
-            # oneDNN's matmul and convolution thunks (--xla_cpu_use_onednn).
-            opcode == "custom-call" and re.search(r'custom_call_target="[^"]*(matmul|convolution)', rest)
-        ):
-            kind = _MATMULS
-        called = re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", rest) + [
-            name
-            for group in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", rest)
-            for name in re.findall(r"%([\w.\-]+)", group)
-        ]
-        op_name = re.search(r'op_name="([^"]*)"', rest)
-        current.append((instruction.group(1), kind, called, op_name.group(1) if op_name else ""))
-
-    kinds = {}
-
-    def strongest(found):
-        return next((kind for kind in (_NATIVE_ATTENTION, _BATCHED_MATMULS, _MATMULS) if kind in found), "")
-
-    def kind_of(kind, called, seen):
-        """The instruction's own kind, or the strongest of the computations it calls."""
-        return strongest({kind, *(kind_in(c, seen) for c in called if c not in seen)})
-
-    def kind_in(computation, seen=()):
-        if computation not in kinds:
-            kinds[computation] = strongest(
-                {kind_of(k, c, (*seen, computation)) for _, k, c, _ in computations.get(computation, [])}
-            )
-        return kinds[computation]
-
-    return {
-        name: (kind_of(kind, called, ()), op_name)
-        for instructions in computations.values()
-        for name, kind, called, op_name in instructions
-    }
-
 
 def _profiled_event_seconds(function, argument, repeats):
     """{event name: seconds} of `repeats` calls of `function` under TensorFlow's profiler."""
@@ -697,7 +573,7 @@ def train_profile(variant, image_size, batch_size, repeats):
         tf.constant(rng.integers(0, 1000, batch_size)),
     )
     step = tf.function(model.train_step, jit_compile=True)
-    instructions = _hlo_instructions(step.experimental_get_compiler_ir(batch)(stage="optimized_hlo"))
+    instructions = hlo_instructions(step.experimental_get_compiler_ir(batch)(stage="optimized_hlo"))
     seconds_per_step = statistics.median(timed(step, batch) for _ in range(repeats + 1))
     events = _profiled_event_seconds(step, batch, repeats)
 
@@ -705,16 +581,15 @@ def train_profile(variant, image_size, batch_size, repeats):
     for name, seconds in events.items():
         if name not in instructions:
             continue  # The runtime's own events (executor, thunk executor, tf.data).
-        parts[_step_part(*instructions[name])] += seconds / repeats
+        parts[step_part(*instructions[name])] += seconds / repeats
     if not parts:
         raise SystemExit(
             "The profile holds no op of the compiled step: this TensorFlow's XLA records none "
             "(XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true asks it to)."
         )
     total = sum(parts.values())
-    # The native kernels' time includes their softmax: it counts as the attention's matmul time.
-    attention_seconds = parts[_BATCHED_MATMULS] + parts[_NATIVE_ATTENTION]
-    matmul_seconds = parts[_MATMULS] + attention_seconds
+    attention_seconds = parts[BATCHED_MATMULS]
+    matmul_seconds = parts[MATMULS] + attention_seconds
     flops = keras_vit.flops.count_flops(variant, image_size=image_size, training=True) * batch_size
     # Logits and attention-weighted values: 2 x 2 x tokens^2 x width per layer, 3x for a step.
     blocks = [layer for layer in model.layers if isinstance(layer, keras_vit.layers.TransformerBlock)]
@@ -738,7 +613,7 @@ def train_profile(variant, image_size, batch_size, repeats):
         print(f"  {part:48s} {1000 * value:9.1f} ms {100 * value / total:6.1f}%")
     print(
         f"Matmuls: {flops / 1e9:.1f} GFLOP per step at {rate(flops, matmul_seconds)} (projections etc. "
-        f"{(flops - attention_flops) / 1e9:.3g} GFLOP at {rate(flops - attention_flops, parts[_MATMULS])}, "
+        f"{(flops - attention_flops) / 1e9:.3g} GFLOP at {rate(flops - attention_flops, parts[MATMULS])}, "
         f"attention {attention_flops / 1e9:.3g} GFLOP at {rate(attention_flops, attention_seconds)}); "
         "peak (float32 2048^3) "
         + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peaks.items())

@@ -20,6 +20,7 @@ can build, train and benchmark models without it installed.
 import keras
 
 from keras_vit.compat import ClipAfterAllReduce
+from keras_vit.kernels import policy
 
 OPTIMIZERS = ("adamw", "sgd")
 DECAYS = ("cosine", "linear")
@@ -138,24 +139,9 @@ JIT_COMPILE = ("auto", "on", "off")
 
 
 def accelerator():
-    """"tpu", "gpu" or "cpu": where the current Keras backend computes."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        for kind in ("TPU", "GPU"):
-            if tf.config.list_logical_devices(kind):
-                return kind.lower()
-        return "cpu"
-    if backend == "jax":
-        import jax
-
-        return jax.default_backend()
-    if backend == "torch":
-        import torch
-
-        return "gpu" if torch.cuda.is_available() else "cpu"
-    return "cpu"
+    """"tpu", "gpu" or "cpu": where the current Keras backend computes (inside a
+    distribution strategy's scope, where its devices are)."""
+    return policy.device()
 
 
 def resolve_jit_compile(jit_compile="auto", precision=None, training=True):

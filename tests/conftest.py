@@ -6,8 +6,25 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+# Shared with the benchmarks; test modules import them from here or from keras_vit.testing.
+from keras_vit.testing import random_images, randomize_weights  # noqa: E402, F401
+
+# The seed of Python's, NumPy's, TensorFlow's and Keras' global random generators at the start of
+# every test: the same numbers in every run, whichever tests run and in whichever order.
+SEED = 0
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Seeds the global random generators before each test, so no test passes or fails by chance.
+
+    Weight initialisers, dropout and `np.random` calls without a seed of their own then draw the
+    same values in every run. Child processes (`run_module`) seed themselves: the entry points
+    set `keras.utils.set_random_seed` from their config (`experiments.configs.common`: seed 0).
+    """
+    keras.utils.set_random_seed(SEED)
 
 
 @pytest.fixture
@@ -19,25 +36,6 @@ def policy():
 
     yield set_policy
     keras.mixed_precision.set_global_policy("float32")
-
-
-def randomize_weights(model, seed=0, scale=0.2):
-    """Replaces every weight by random values, so no term of the forward pass is a no-op.
-
-    Zero biases, unit LayerNorm scales, a zero head or class token would hide a
-    missing or misplaced term from a parity test.
-    """
-    rng = np.random.default_rng(seed)
-    for weight in model.weights:
-        value = rng.normal(0.0, scale, weight.shape)
-        if weight.name == "gamma":
-            value += 1.0
-        weight.assign(value.astype(weight.dtype))
-    return model
-
-
-def random_images(shape, seed=0):
-    return np.random.default_rng(seed).integers(0, 256, shape).astype("float32")
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

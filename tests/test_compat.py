@@ -96,6 +96,7 @@ def run_with_onednn(setting):
     platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"),
     reason="TensorFlow's wheels are built with oneDNN on x86-64 Linux only",
 )
+@pytest.mark.slow
 def test_onednn_enabled_follows_tensorflows_onednn_switch():
     """Built with oneDNN, TensorFlow runs it by default on some CPUs only; TF_ENABLE_ONEDNN_OPTS decides first."""
     for setting, expected in (("1", True), ("0", False)):

@@ -9,6 +9,7 @@ import sys
 
 import keras
 import numpy as np
+import pytest
 
 import keras_vit  # noqa: F401  (registers the classes the saved models need)
 
@@ -38,6 +39,7 @@ def free_ports(count):
     return ports
 
 
+@pytest.mark.slow
 def test_two_workers_train_an_epoch_in_sync(tmp_path):
     workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     processes = []

@@ -13,11 +13,13 @@ import pytest
 import tensorflow as tf
 
 import keras_vit
+from keras_vit import compat
 from keras_vit import data as vit_data
+from keras_vit.testing import BATCHED_MATMULS, MATMULS, OTHER_PART, hlo_instructions, step_part
 from tests.conftest import ROOT, run_module
 
 
-
+@pytest.mark.slow
 def test_main_job_with_defaults_reaches_97_percent(digits_main_job):
     """The README's main command, defaults unchanged."""
     workdir, stdout = digits_main_job
@@ -43,6 +45,7 @@ def test_main_job_with_defaults_reaches_97_percent(digits_main_job):
     assert len(figures) == 10 and "test0_attention_rollout.png" in figures
 
 
+@pytest.mark.slow
 def test_config_overrides_from_the_command_line(tmp_path):
     stdout = run_module(
         "experiments.train",
@@ -66,6 +69,7 @@ def test_config_overrides_from_the_command_line(tmp_path):
     assert len(list((tmp_path / "figures").iterdir())) == 10
 
 
+@pytest.mark.slow
 def test_training_from_a_pretrained_checkpoint_with_a_frozen_backbone(tmp_path):
     from experiments.configs import digits
 
@@ -93,6 +97,7 @@ def test_training_from_a_pretrained_checkpoint_with_a_frozen_backbone(tmp_path):
     assert np.abs(trained.get_layer("head").kernel.numpy()).max() > 0
 
 
+@pytest.mark.slow
 def test_visualize_command(tmp_path):
     model = keras_vit.build_vit("testing", image_size=32, num_classes=3, patch_size=8)
     model.save(tmp_path / "m.keras")
@@ -125,17 +130,22 @@ def test_visualize_command_refuses_a_file_that_is_not_an_image(tmp_path):
     assert "is not an image TensorFlow can decode" in result.stderr
 
 
+@pytest.mark.slow
 def test_benchmark_runs():
     args = ["--variant=testing", "--image_size=32", "--batch_size=2", "--repeats=2"]
     stdout = run_module("experiments.benchmark", "--mode=patch_projection", *args)
     assert "conv is" in stdout and "images/s" in stdout
     stdout = run_module("experiments.benchmark", "--mode=profile", *args)
-    assert re.search(r"_MklNativeFusedMatMul\s+[\d.]+ ms", stdout), stdout
+    # The dense layers' matmuls with their bias, fused by TensorFlow's graph optimiser: oneDNN's op
+    # where TensorFlow is built with it, else Eigen's.
+    fused_matmul = "_MklNativeFusedMatMul" if compat.onednn_enabled() else "_FusedMatMul"
+    assert re.search(rf"{fused_matmul}\s+[\d.]+ ms", stdout), stdout
     stdout = run_module("experiments.benchmark", "--mode=serving", *args)
     for name in ("saved_model", "tflite float32", "tflite float16", "tflite dynamic", "tflite int8"):
         assert name in stdout
 
 
+@pytest.mark.slow
 def test_train_profile_splits_the_compiled_step_into_matmuls_and_layers():
     """That it works and accounts for the step, not how fast."""
     stdout = run_module(
@@ -144,14 +154,9 @@ def test_train_profile_splits_the_compiled_step_into_matmuls_and_layers():
     )  # fmt: skip
     row = r"^  (\S.*?)\s+[\d.]+ ms\s+([\d.]+)%$"
     shares = {name.strip(): float(share) for name, share in re.findall(row, stdout, re.M)}
-    # Every part of the step had ops that the profiler timed, and the parts add up. The attention
-    # is the native kernels' custom calls where they build (as on the test machines), else
-    # XLA's batched matmuls and the softmax around them.
-    from experiments.benchmark import _BATCHED_MATMULS, _MATMULS, _NATIVE_ATTENTION
-    from keras_vit import native
-
-    attention = {_NATIVE_ATTENTION} if native.attention_ops() else {_BATCHED_MATMULS, "attention: softmax, scaling, q/k/v layout"}
-    assert {_MATMULS, "layer norms", "optimizer (AdamW update)"} | attention <= set(shares), stdout
+    # Every part of the step had ops that the profiler timed, and the parts add up.
+    attention = {BATCHED_MATMULS, "attention: softmax, scaling, q/k/v layout"}
+    assert {MATMULS, "layer norms", "optimizer (AdamW update)"} | attention <= set(shares), stdout
     assert "blocks: GELU, biases, residual sums" in shares, stdout
     assert abs(sum(shares.values()) - 100) < 0.5, stdout
     # Logits and values, forward and backward: 3 x batch x layers x 4 x tokens^2 x width.
@@ -165,8 +170,6 @@ def test_train_profile_splits_the_compiled_step_into_matmuls_and_layers():
 
 
 def test_hlo_instructions_finds_matmuls_through_fusions():
-    from experiments.benchmark import _BATCHED_MATMULS, _MATMULS, _NATIVE_ATTENTION, _hlo_instructions
-
     # One instruction per line, as XLA prints them.
     hlo = """HloModule step, entry_computation_layout={()->f32[2,2]{1,0}}
 
@@ -200,14 +203,13 @@ ENTRY %main (x: f32[2,2]) -> f32[2,2] {
   %logits = f32[3,2,2]{2,1,0} dot(%y, %y), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}, metadata={op_type="BatchMatMulV2" op_name="block/attention/MatMul"}
   %batched_fusion = f32[3,2,2]{2,1,0} fusion(%logits), kind=kOutput, calls=%fused_logits
   %onednn = f32[2,2]{1,0} custom-call(%x, %x), custom_call_target="__onednn$matmul"
-  %native = (f32[1,2,2]{2,1,0}, f32[1,1,2]{2,1,0}) custom-call(%x), custom_call_target="keras_vit_attention_forward", api_version=API_VERSION_TYPED_FFI, metadata={op_type="KerasVitAttention" op_name="block/attention/KerasVitAttention"}
   %branch = f32[2,2]{1,0} conditional(%x), branch_computations={%fused_add, %fused_dot}
   %pair = (f32[2,2]{1,0}, f32[2,2]{1,0}) tuple(%call.2, %x)
   ROOT %out = f32[2,2]{1,0} get-tuple-element(%pair), index=0
 }
 """
-    instructions = _hlo_instructions(hlo)
-    matmul, batched = _MATMULS, _BATCHED_MATMULS
+    instructions = hlo_instructions(hlo)
+    matmul, batched = MATMULS, BATCHED_MATMULS
     assert instructions["MatMul.3"] == (matmul, "block/mlp/MatMul")
     assert instructions["add_fusion.1"] == ("", "block/attention_norm/add")
     assert instructions["call.2"][0] == instructions["f"][0] == matmul  # A dot two calls down.
@@ -215,22 +217,20 @@ ENTRY %main (x: f32[2,2]) -> f32[2,2] {
     assert instructions["logits"] == (batched, "block/attention/MatMul")
     assert instructions["batched_fusion"][0] == batched
     assert instructions["onednn"][0] == instructions["branch"][0] == matmul
-    assert instructions["native"] == (_NATIVE_ATTENTION, "block/attention/KerasVitAttention")
 
 
 def test_step_parts_count_a_layer_norms_matmuls_as_the_norm():
-    from experiments.benchmark import _BATCHED_MATMULS, _MATMULS, _step_part
-
-    assert _step_part(_MATMULS, "vit/encoderblock_0/attention_norm/MatMul") == "layer norms"
-    assert _step_part(_MATMULS, "attention_norm_gradient_1/MatMul_1") == "layer norms"
-    assert _step_part(_MATMULS, "gradient_tape/vit/encoderblock_0/MatMul/MatMul") == _MATMULS
-    assert _step_part(_BATCHED_MATMULS, "vit/encoderblock_0/attention/MatMul") == _BATCHED_MATMULS
-    assert _step_part("", "vit/encoderblock_0/attention/Softmax").startswith("attention:")
-    assert _step_part("", "vit/encoderblock_0/mlp_norm/Rsqrt") == "layer norms"
-    assert _step_part("", "vit/encoderblock_0/add_1").startswith("blocks:")
-    assert _step_part("", "SparseSoftmaxCrossEntropyWithLogits").startswith("other:")
+    assert step_part(MATMULS, "vit/encoderblock_0/attention_norm/MatMul") == "layer norms"
+    assert step_part(MATMULS, "attention_norm_gradient_1/MatMul_1") == "layer norms"
+    assert step_part(MATMULS, "gradient_tape/vit/encoderblock_0/MatMul/MatMul") == MATMULS
+    assert step_part(BATCHED_MATMULS, "vit/encoderblock_0/attention/MatMul") == BATCHED_MATMULS
+    assert step_part("", "vit/encoderblock_0/attention/Softmax").startswith("attention:")
+    assert step_part("", "vit/encoderblock_0/mlp_norm/Rsqrt") == "layer norms"
+    assert step_part("", "vit/encoderblock_0/add_1").startswith("blocks:")
+    assert step_part("", "SparseSoftmaxCrossEntropyWithLogits") == OTHER_PART
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["infer", "train"])
 def test_throughput_benchmark_runs(mode):
     """The infer/train benchmark on the testing variant: that it works and reports, not how fast."""
@@ -255,6 +255,7 @@ def _fused_explicit_difference(stdout):
     return float(found[1]), float(found[2])
 
 
+@pytest.mark.slow
 def test_attention_benchmark_runs():
     stdout = run_module(
         "experiments.benchmark", "--mode=attention", "--variant=testing", "--image_size=32",
@@ -290,6 +291,7 @@ def run_benchmark_without_tensorflow(*args):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["infer", "train", "attention"])
 def test_benchmark_on_jax_without_tensorflow(mode):
     """The model, `predict`/`fit` and the benchmark run on JAX with no TensorFlow importable; the
@@ -343,6 +345,7 @@ def test_digits_data():
     assert sum(len(y) for _, y in test) == 360  # every test example kept, in order
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_from_its_backup(tmp_path):
     """SIGKILL in the middle of an epoch; the same command again finishes the run."""
     import signal
@@ -396,6 +399,7 @@ print(json.dumps({"replicas": strategy.num_replicas_in_sync}))
 """
 
 
+@pytest.mark.slow
 def test_mirrored_over_two_cpu_devices_matches_one_device(tmp_path):
     """Also with gradient clipping active (norm 0.05): the global gradient is clipped, not each replica's."""
     losses = {}
@@ -428,6 +432,7 @@ def test_unknown_strategy_and_unresolvable_tpu():
         get_strategy("multi_worker")
 
 
+@pytest.mark.slow
 def test_training_on_an_image_folder_with_a_remote_workdir(tmp_path):
     """folder: data with a corrupt file, and a workdir on TensorFlow's ram:// file system (as gs://)."""
     from tests.test_data import write_folder

@@ -49,6 +49,7 @@ def small_model():
     )
 
 
+@pytest.mark.slow
 def test_saved_model_signatures_match_keras(digits_run, tmp_path):
     model, dataset = digits_run
     path = export.export_saved_model(model, tmp_path / "sm", class_names=dataset.class_names, top_k=3)
@@ -76,6 +77,7 @@ def test_saved_model_signatures_match_keras(digits_run, tmp_path):
     np.testing.assert_allclose(out["after_error_logits"], expected, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_saved_model_as_a_keras_layer(small_model, tmp_path):
     path = export.export_saved_model(small_model, tmp_path / "sm")
     images = random_images((3, 32, 32, 3)).astype(np.uint8)
@@ -93,6 +95,7 @@ def test_tflite_float32_matches_keras(small_model, tmp_path, batch_size):
     assert "GELU" in export.tflite_operators(path)
 
 
+@pytest.mark.slow
 def test_quantized_tflite_agrees_with_keras_on_digits(digits_run, tmp_path):
     model, dataset = digits_run
     images = dataset.test.images
@@ -113,6 +116,7 @@ def test_quantized_tflite_agrees_with_keras_on_digits(digits_run, tmp_path):
     assert agreement["int8"] >= 0.97, agreement
 
 
+@pytest.mark.slow
 def test_int8_tflite_of_ti16_is_under_30_percent_of_float32(tmp_path):
     model = keras_vit.build_vit("Ti/16", num_classes=10)
     float32 = export.export_tflite(model, tmp_path / "f32.tflite")
@@ -159,6 +163,7 @@ def test_bad_export_requests(small_model, tmp_path):
         export.export_saved_model(small_model, tmp_path / "sm2", class_names=["a", "b", "c"])
 
 
+@pytest.mark.slow
 def test_export_command_and_training_exports(digits_run, tmp_path):
     model, _ = digits_run
     model.save(tmp_path / "m.keras")

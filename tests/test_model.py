@@ -122,6 +122,7 @@ def test_mixed_precision_is_finite_and_close_to_float32(policy, precision, toler
     assert np.abs(got - expected).max() <= tolerance * scale
 
 
+@pytest.mark.slow
 def test_mixed_precision_trains_with_xla(policy):
     policy("mixed_bfloat16")
     model = small_vit()
@@ -134,6 +135,7 @@ def test_mixed_precision_trains_with_xla(policy):
     assert np.isfinite(history.history["loss"]).all()
 
 
+@pytest.mark.slow
 def test_xla_compiled_train_step_runs_and_learns():
     model = small_vit(dropout_rate=0.1, stochastic_depth_rate=0.1)
     model.compile(

@@ -38,7 +38,9 @@ def test_every_registered_variant_has_a_pinned_count():
     assert sizes == set(MODEL_SIZES), "every model size needs at least one pinned variant"
 
 
-@pytest.mark.parametrize("variant", list(PARAMS_TOKEN))
+@pytest.mark.parametrize(
+    "variant", [pytest.param(v, marks=pytest.mark.slow) if v.startswith("H/") else v for v in PARAMS_TOKEN]
+)
 def test_parameter_count_token(variant):
     model = keras_vit.build_vit(variant)
     assert model.count_params() == PARAMS_TOKEN[variant]
