@@ -19,6 +19,7 @@ can build, train and benchmark models without it installed.
 
 import keras
 
+from keras_vit import compat
 from keras_vit.compat import ClipAfterAllReduce
 from keras_vit.kernels import policy
 
@@ -150,13 +151,18 @@ def resolve_jit_compile(jit_compile="auto", precision=None, training=True):
     "auto" picks what runs fastest for the platform and precision (measure
     it with `python -m experiments.benchmark`):
     - TPU, GPU and the JAX backend: XLA, always (on a TPU it is the only way).
-    - CPU, TensorFlow, float32: XLA for training, whose backward pass has
-      much element-wise work for XLA to fuse; no XLA for inference, where
-      TensorFlow's graph optimiser fuses the forward pass into oneDNN
-      kernels that run it faster than XLA's CPU code.
-    - CPU, TensorFlow, bfloat16 or float16: no XLA.  oneDNN runs bfloat16
-      matmuls on the CPU's bfloat16 units (AMX, AVX512-BF16) while XLA's CPU
-      compiler computes them at float32 speed.
+    - CPU, TensorFlow with oneDNN (`keras_vit.compat.onednn_enabled()`):
+      - float32: XLA for training, whose backward pass has much element-wise
+        work for XLA to fuse; no XLA for inference, where TensorFlow's graph
+        optimiser fuses the forward pass into oneDNN kernels that run it
+        faster than XLA's CPU code.
+      - bfloat16 or float16: no XLA.  oneDNN runs bfloat16 matmuls on the
+        CPU's bfloat16 units (AMX, AVX512-BF16) while XLA's CPU compiler
+        computes them at float32 speed.
+    - CPU, TensorFlow without oneDNN (TensorFlow leaves it off on CPUs
+      without AVX512-VNNI, AVX512-BF16 or AMX): XLA, always; TensorFlow's own
+      CPU kernels then neither fuse the forward pass nor have fast 16-bit
+      matmuls.
 
     Args:
         jit_compile: "auto", "on", "off", or a bool.
@@ -174,6 +180,8 @@ def resolve_jit_compile(jit_compile="auto", precision=None, training=True):
     if jit_compile != "auto":
         return jit_compile == "on"
     if keras.backend.backend() == "jax" or accelerator() != "cpu":
+        return True
+    if not compat.onednn_enabled():
         return True
     precision = precision or keras.mixed_precision.global_policy().name
     return training and keras.mixed_precision.Policy(precision).compute_dtype == "float32"

@@ -89,15 +89,22 @@ def test_recipes_and_their_errors(tmp_path):
     assert float(restored.optimizer.learning_rate) == pytest.approx(1e-4)
 
 
-def test_resolve_jit_compile():
+def test_resolve_jit_compile(monkeypatch):
+    from keras_vit import compat
     from keras_vit.training import resolve_jit_compile
 
     assert resolve_jit_compile("on") is True and resolve_jit_compile("off") is False
     assert resolve_jit_compile(True) is True and resolve_jit_compile(False) is False
-    # On a CPU with TensorFlow: XLA to train in float32, oneDNN (no XLA) otherwise.
+    # On a CPU with TensorFlow and oneDNN: XLA to train in float32, oneDNN (no XLA) otherwise.
+    monkeypatch.setattr(compat, "onednn_enabled", lambda: True)
     assert resolve_jit_compile("auto", "float32") is True
     assert resolve_jit_compile("auto", "float32", training=False) is False
     assert resolve_jit_compile("auto", "mixed_bfloat16") is False
     assert resolve_jit_compile("auto", "mixed_float16") is False
+    # Without oneDNN: XLA for everything.
+    monkeypatch.setattr(compat, "onednn_enabled", lambda: False)
+    for precision in ("float32", "mixed_bfloat16", "mixed_float16"):
+        assert resolve_jit_compile("auto", precision) is True
+        assert resolve_jit_compile("auto", precision, training=False) is True
     with pytest.raises(ValueError, match=r"one of \('auto', 'on', 'off'\).*Received: jit_compile='yes'"):
         resolve_jit_compile("yes")
