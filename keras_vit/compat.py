@@ -304,13 +304,7 @@ def _optimizer_problems():
     optimizer = keras.optimizers.Optimizer
     problems = []
     for name, expected in _OPTIMIZER_METHODS.items():
-        method = getattr(optimizer, name, None)
-        if not callable(method):
-            problems.append(f"keras.optimizers.Optimizer.{name} does not exist")
-            continue
-        problem = _parameters_problem(method, f"keras.optimizers.Optimizer.{name}", expected, exact=True)
-        if problem:
-            problems.append(problem)
+        problems += _function_problems("keras.optimizers", f"Optimizer.{name}", expected, exact=True)
     # Keras clips, then calls the backend update step that all-reduces; the mixin moves the clip after it.
     used = _names_used(getattr(optimizer, "_backend_apply_gradients", None))
     missing = {"_clip_gradients", "_backend_update_step"} - used

@@ -32,12 +32,15 @@ def _traced_output_and_gradients(function, inputs, upstream, jit_compile):
     return [t.numpy() for t in run(*[tf.constant(x) for x in inputs])]
 
 
-def _op_types(function, *specs):
-    graph = function.get_concrete_function(*specs).graph
+def _graph_op_types(graph):
     types = [op.type for op in graph.get_operations()]
     for function_def in graph.as_graph_def().library.function:  # Nested functions (custom gradients).
         types += [node.op for node in function_def.node_def]
     return types
+
+
+def _op_types(function, *specs):
+    return _graph_op_types(function.get_concrete_function(*specs).graph)
 
 
 # === The layers hold no platform code ===
@@ -285,7 +288,9 @@ def test_each_cpu_form_is_chosen_where_the_table_says(monkeypatch, onednn):
     """The entry points' choices on TensorFlow on a CPU, with and without oneDNN."""
     import tensorflow as tf
 
-    monkeypatch.setattr(kernels, "_onednn", lambda: onednn)
+    from keras_vit import compat
+
+    monkeypatch.setattr(compat, "onednn_enabled", lambda: onednn)
     gamma, beta = np.ones(8, "float32"), np.zeros(8, "float32")
 
     def layer_norm_ops(training, dtype):
@@ -366,34 +371,23 @@ def _small_model():
     return model
 
 
-def _traced_ops(monkeypatch, model, run):
+def _traced_ops(run):
     """The op types of every graph in which `run()` traces a kernel entry point."""
+    import tensorflow as tf
+
     graphs = []
     current = policy.current
 
     def recording_current():
-        import tensorflow as tf
-
         graph = tf.compat.v1.get_default_graph()
         if graph not in graphs:
             graphs.append(graph)
         return current()
 
-    monkeypatch.setattr(policy, "current", recording_current)
-    import keras_vit.kernels as kernels_module
-
-    monkeypatch.setattr(kernels_module, "current", recording_current)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(policy, "current", recording_current)
         run()
-    finally:
-        monkeypatch.setattr(policy, "current", current)
-        monkeypatch.setattr(kernels_module, "current", current)
-    types = []
-    for graph in graphs:
-        if hasattr(graph, "get_operations"):
-            types += [op.type for op in graph.get_operations()]
-            types += [n.op for f in graph.as_graph_def().library.function for n in f.node_def]
-    return types
+    return [op for graph in graphs for op in _graph_op_types(graph)]
 
 
 @tensorflow_only
@@ -420,8 +414,8 @@ def test_a_model_traced_on_a_cpu_then_for_an_accelerator_gets_no_cpu_forms(monke
                 _fake_accelerator(patch, kind)
             model.make_predict_function(force=True)
             model.make_train_function(force=True)
-            predict_ops, predictions = _traced_ops(patch, model, predict), predict()
-            fit_ops = _traced_ops(patch, model, fit)
+            predict_ops, predictions = _traced_ops(predict), predict()
+            fit_ops = _traced_ops(fit)
         return predict_ops, predictions, fit_ops
 
     cpu_predict_ops, cpu_predictions, cpu_fit_ops = traced_for(None)

@@ -16,13 +16,14 @@ places:
 
 The form is chosen each time an entry point is traced, from
 `policy.current()`: where those ops will run (backend, device or distribution
-strategy), the dtype, and the explicit switches `portable_ops()` (reference
+strategy), the dtype, whether TensorFlow runs oneDNN (`compat.onednn_enabled()`:
+by default only on CPUs with AVX512-VNNI, AVX512-BF16 or AMX), and the explicit switches `portable_ops()` (reference
 forms everywhere; exports use it) and `fused_attention(enabled)`. Nothing is
 remembered between traces.
 """
 
 from keras_vit import compat
-from keras_vit.kernels import reference
+from keras_vit.kernels import policy, reference
 from keras_vit.kernels.policy import current, fused_attention, portable_ops
 
 __all__ = ["attention", "current", "dense", "dropout", "fused_attention", "layer_norm", "portable_ops", "reference"]
@@ -45,7 +46,7 @@ def attention(qkv, num_heads, *, training=False, dropout=None, return_probabilit
         tokens, tokens) as a second result.
     """
     dropout = dropout if training else None
-    target = current()
+    target = policy.current()
     if return_probabilities:
         return reference.attention(qkv, num_heads, training, dropout)
     if target.use_fused_attention and dropout is None:
@@ -57,20 +58,20 @@ def attention(qkv, num_heads, *, training=False, dropout=None, return_probabilit
 
         if training:
             return tf_cpu.attention_for_training(qkv, num_heads, dropout)
-        if _onednn():
+        if compat.onednn_enabled():
             return tf_cpu.attention_for_inference(qkv, num_heads)
     return reference.attention(qkv, num_heads, training, dropout)[0]
 
 
 def layer_norm(x, gamma, beta, epsilon, *, training=False):
     """Layer normalisation over the last axis with scale `gamma` and offset `beta`."""
-    target = current()
+    target = policy.current()
     if target.tensorflow_cpu:
         from keras_vit.kernels import tf_cpu
 
         if training and x.dtype == "float32":
             return tf_cpu.layer_norm_for_training(x, gamma, beta, epsilon)
-        if not training and _onednn():
+        if not training and compat.onednn_enabled():
             return tf_cpu.layer_norm_for_inference(x, gamma, beta, epsilon)
     return reference.layer_norm(x, gamma, beta, epsilon)
 
@@ -82,7 +83,7 @@ def dense(x, kernel, bias=None, activation=None):
             f"`activation` must be one of {sorted(map(str, reference.ACTIVATIONS))}. "
             f"Received: activation={activation!r}"
         )
-    if current().backend == "tensorflow":
+    if policy.current().backend == "tensorflow":
         from keras_vit.kernels import tf_ops
 
         return tf_ops.dense(x, kernel, bias, activation)
@@ -91,16 +92,9 @@ def dense(x, kernel, bias=None, activation=None):
 
 def dropout(x, rate, seed_generator, noise_shape=None):
     """Training-mode dropout: elements kept with probability 1 - rate, scaled by 1 / (1 - rate)."""
-    target = current()
-    if target.tensorflow_cpu and noise_shape is None and 0.0 < rate < 1.0:
-        if compat.in_xla_context():
-            from keras_vit.kernels import tf_cpu
+    if policy.current().tensorflow_cpu and noise_shape is None and 0.0 < rate < 1.0 and compat.in_xla_context():
+        from keras_vit.kernels import tf_cpu
 
-            return tf_cpu.dropout_in_xla(x, rate, seed_generator)
+        return tf_cpu.dropout_in_xla(x, rate, seed_generator)
     return reference.dropout(x, rate, seed_generator, noise_shape)
 
-
-def _onednn():
-    """Whether TensorFlow runs oneDNN's CPU kernels and graph rewrites: by default on CPUs with
-    AVX512-VNNI, AVX512-BF16 or AMX, or with TF_ENABLE_ONEDNN_OPTS=1."""
-    return compat.onednn_enabled()

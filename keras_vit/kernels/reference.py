@@ -47,13 +47,15 @@ def dropout(x, rate, seed, noise_shape=None):
 
 
 def split_heads(qkv, num_heads):
-    """(batch, tokens, 3 * hidden) -> query, key, value, each (batch, heads, tokens, head_dim)."""
+    """(batch, tokens, 3 * hidden) -> query / sqrt(head_dim), key, value, each
+    (batch, heads, tokens, head_dim)."""
     tokens, width = qkv.shape[1], qkv.shape[2]
     head_dim = width // (3 * num_heads)
     qkv = ops.reshape(qkv, (-1, tokens, 3, num_heads, head_dim))
     # Unstacking the projections: its gradient is one stack, where indexing's is one
     # full-size zero tensor per index.
-    return ops.unstack(ops.transpose(qkv, (2, 0, 3, 1, 4)), 3, axis=0)
+    query, key, value = ops.unstack(ops.transpose(qkv, (2, 0, 3, 1, 4)), 3, axis=0)
+    return query * ops.cast(1.0 / math.sqrt(head_dim), query.dtype), key, value
 
 
 def merge_heads(x):
@@ -78,7 +80,6 @@ def attention(qkv, num_heads, training=False, dropout=None):
     """
     query, key, value = split_heads(qkv, num_heads)
     dtype = query.dtype
-    query = query * ops.cast(1.0 / math.sqrt(query.shape[-1]), dtype)
     logits = ops.matmul(query, ops.swapaxes(key, -1, -2))
     # Softmax in float32: bfloat16's 8 bits of mantissa are too few to
     # normalise a row of a few hundred probabilities.

@@ -79,8 +79,8 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         )
         if return_attention_scores:
             attended, scores = attended
-            return kernels.dense(attended, self.output_kernel, self.output_bias), scores
-        return kernels.dense(attended, self.output_kernel, self.output_bias)
+        outputs = kernels.dense(attended, self.output_kernel, self.output_bias)
+        return (outputs, scores) if return_attention_scores else outputs
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape)
