@@ -1,15 +1,18 @@
 """Distribution strategies for `model.fit`: TPU, GPUs, several hosts, one device.
 
 `get_strategy("auto")` picks the best available: a TPU when one resolves
-(TPU_NAME or a local TPU VM), several workers when TF_CONFIG names a cluster,
-several GPUs, else one device.  Build the model and optimizer under
-`strategy.scope()`; `fit` then splits each global batch across the replicas.
+(`tpu=`, TPU_NAME, or the TPU of a Cloud TPU VM), several workers when
+TF_CONFIG names a cluster, several GPUs, else one device; it logs which and
+how many replicas.  Call it before anything is traced or placed: a TPU must be
+connected first.  Build the model and optimizer under `strategy.scope()`;
+`fit` then splits each global batch across the replicas.
 """
 
 import json
 import os
 
 import tensorflow as tf
+from absl import logging
 
 from keras_vit import compat
 
@@ -17,20 +20,32 @@ STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "one_device")
 
 
 def _tpu_strategy(tpu):
+    """TPUStrategy over the TPU named `tpu` (a name or grpc:// address; "local" or nothing
+    named, neither here nor in TPU_NAME: the TPU of this Cloud TPU VM), connected and
+    initialised."""
+    tpu = tpu or os.environ.get("TPU_NAME") or "local"
     try:
-        if tpu in (None, "", "local"):
-            resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="local" if tpu == "local" else None)
-        else:
-            resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
-        if tpu not in (None, "", "local"):
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
+        if tpu != "local":
             tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
     except (ValueError, RuntimeError, OSError, tf.errors.OpError) as error:  # OSError: URLError
         raise ValueError(
             f"Could not resolve or initialise the TPU {tpu!r}: {error}. Expected a TPU name or "
-            "grpc:// address reachable from this host, 'local' on a TPU VM, or TPU_NAME set."
+            "grpc:// address reachable from this host, or 'local' on a Cloud TPU VM (--tpu or "
+            "TPU_NAME); --strategy=one_device trains on this host's CPU or GPU instead."
         ) from None
     return tf.distribute.TPUStrategy(resolver)
+
+
+def local_tpu_devices():
+    """The TPU chips' devices TensorFlow sees on this host (a Cloud TPU VM); [] elsewhere.
+
+    A TPU VM's TensorFlow lists its TPUs among the physical devices before
+    the TPU system is initialised; listing physical devices leaves the
+    runtime unconfigured (logical devices can still be set up afterwards).
+    """
+    return tf.config.list_physical_devices("TPU")
 
 
 def _workers_in_tf_config():
@@ -50,13 +65,17 @@ def get_strategy(name="auto", tpu=None):
     if name not in STRATEGIES:
         raise ValueError(f"`strategy` must be one of {STRATEGIES}. Received: strategy={name!r}")
     if name == "auto":
-        if tpu or os.environ.get("TPU_NAME"):
-            return _tpu_strategy(tpu)
-        if _workers_in_tf_config() > 1:
-            return multi_worker_strategy()
-        if len(tf.config.list_logical_devices("GPU")) > 1:
-            return tf.distribute.MirroredStrategy()
-        name = "one_device"
+        strategy, reason = _auto_strategy(tpu)
+    else:
+        strategy, reason = _named_strategy(name, tpu), "asked for"
+    logging.info(
+        "Strategy: %s with %d replica(s) (%s: %s)",
+        type(strategy).__name__, strategy.num_replicas_in_sync, name, reason,
+    )
+    return strategy
+
+
+def _named_strategy(name, tpu):
     if name == "tpu":
         return _tpu_strategy(tpu)
     if name == "mirrored":
@@ -72,6 +91,24 @@ def get_strategy(name="auto", tpu=None):
         return multi_worker_strategy()
     gpus = tf.config.list_logical_devices("GPU")
     return tf.distribute.OneDeviceStrategy(gpus[0].name if gpus else "/cpu:0")
+
+
+def _auto_strategy(tpu):
+    """(strategy, why it was chosen) for get_strategy("auto")."""
+    if tpu or os.environ.get("TPU_NAME"):
+        return _tpu_strategy(tpu), f"TPU {tpu or os.environ['TPU_NAME']!r} asked for"
+    if local_tpu_devices():
+        # A Cloud TPU VM: its TPU is attached to this host. Failing to initialise it is an
+        # error, not a reason to train on the host's CPU instead.
+        return _tpu_strategy("local"), f"{len(local_tpu_devices())} local TPU device(s) found"
+    workers = _workers_in_tf_config()
+    if workers > 1:
+        return multi_worker_strategy(), f"TF_CONFIG names {workers} workers"
+    gpus = tf.config.list_logical_devices("GPU")
+    if len(gpus) > 1:
+        return tf.distribute.MirroredStrategy(), f"{len(gpus)} GPUs found"
+    device = gpus[0].name if gpus else "/cpu:0"
+    return tf.distribute.OneDeviceStrategy(device), f"no TPU, no cluster, {len(gpus)} GPU(s): {device}"
 
 
 def multi_worker_strategy():

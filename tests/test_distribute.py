@@ -22,7 +22,7 @@ from experiments.configs import digits
 from keras_vit.distribute import get_strategy
 strategy = get_strategy("multi_worker")
 config = digits.get_config()
-config.epochs, config.visualize, config.jit_compile = 1, False, "off"
+config.epochs, config.visualize = 1, False  # the defaults otherwise, XLA as "auto" picks it
 config.model.num_layers = 1
 metrics = train.train_and_evaluate(config, sys.argv[1], strategy)
 print("METRICS " + json.dumps(metrics))
@@ -67,3 +67,109 @@ def test_two_workers_train_an_epoch_in_sync(tmp_path):
     for a, b in zip(chief.weights, other.weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6, err_msg=a.path)
     assert metrics[0]["test_accuracy"] == metrics[1]["test_accuracy"]
+
+
+# === Choosing the strategy, and what it means for XLA and the kernels ===
+
+
+def test_auto_finds_the_tpu_of_a_tpu_vm_and_logs_its_choice(monkeypatch, caplog):
+    """On a Cloud TPU VM (simulated: TensorFlow lists TPU devices), "auto" takes the local TPU
+    with no flag or TPU_NAME; elsewhere one device. Each choice is logged with its replicas."""
+    import logging
+
+    import tensorflow as tf
+
+    from keras_vit import distribute
+
+    monkeypatch.delenv("TPU_NAME", raising=False)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    caplog.set_level(logging.INFO)
+    strategy = distribute.get_strategy("auto")
+    assert isinstance(strategy, tf.distribute.OneDeviceStrategy)
+    assert "Strategy: OneDeviceStrategy with 1 replica(s) (auto: no TPU" in caplog.text
+
+    asked = []
+
+    class FakeTPUStrategy:
+        num_replicas_in_sync = 8
+
+    def tpu_strategy(tpu):
+        asked.append(tpu)
+        return FakeTPUStrategy()
+
+    monkeypatch.setattr(distribute, "_tpu_strategy", tpu_strategy)
+    monkeypatch.setattr(distribute, "local_tpu_devices", lambda: ["TPU:0", "TPU:1", "TPU:2", "TPU:3"])
+    caplog.clear()
+    assert isinstance(distribute.get_strategy("auto"), FakeTPUStrategy)
+    assert asked == ["local"]
+    assert "Strategy: FakeTPUStrategy with 8 replica(s) (auto: 4 local TPU device(s) found)" in caplog.text
+    # A TPU named by flag or TPU_NAME goes first.
+    monkeypatch.setenv("TPU_NAME", "my-tpu")
+    distribute.get_strategy("auto")
+    assert asked == ["local", None]
+
+
+def test_a_named_tpu_that_cannot_be_reached_is_an_error_not_a_cpu_run(monkeypatch):
+    from keras_vit import distribute
+
+    monkeypatch.setenv("TPU_NAME", "no-such-tpu")
+    with pytest.raises(ValueError, match="Could not resolve or initialise the TPU 'no-such-tpu'.*one_device"):
+        distribute.get_strategy("auto")
+
+
+def test_jit_compile_auto_follows_the_strategy(monkeypatch):
+    """Keras' rule under tf.distribute (no XLA over several replicas), the platform's rule on one
+    device; a strategy over a GPU is read as a GPU even on this CPU-only machine."""
+    import tensorflow as tf
+
+    from keras_vit import compat
+    from keras_vit.training import resolve_jit_compile
+
+    for onednn in (False, True):
+        monkeypatch.setattr(compat, "onednn_enabled", lambda: onednn)
+        with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+            assert resolve_jit_compile("auto") is False
+            assert resolve_jit_compile("on") is True  # An explicit choice stands.
+        with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+            assert resolve_jit_compile("auto") is True  # float32 training on a CPU
+            assert resolve_jit_compile("auto", "mixed_bfloat16") is (not onednn)
+        with tf.distribute.OneDeviceStrategy("/gpu:0").scope():
+            assert resolve_jit_compile("auto", "mixed_bfloat16", training=False) is True
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+        assert resolve_jit_compile("auto", strategy=strategy) is False
+
+
+def _training_graph_ops(model, images):
+    """The op types of one traced training step (forward and gradients) of `model`."""
+    import tensorflow as tf
+
+    @tf.function(autograph=False)
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True))
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = step.get_concrete_function(tf.TensorSpec(images.shape, tf.float32)).graph
+    return [op.type for op in graph.get_operations()]
+
+
+def test_a_model_traced_on_the_cpu_first_gets_no_cpu_forms_under_a_gpu_strategy():
+    """Traced for the CPU (an eager call and a training step), then under a real
+    OneDeviceStrategy over a GPU (built here without one: tracing places nothing): the second
+    trace carries none of the CPU forms, whatever the first did."""
+    import tensorflow as tf
+
+    import keras_vit
+
+    model = keras_vit.build_vit("testing", image_size=16, num_classes=5, num_layers=1, classifier="token")
+    images = np.random.default_rng(0).integers(0, 256, (4, 16, 16, 3)).astype("float32")
+    model(images)
+    cpu_ops = _training_graph_ops(model, images)
+    with tf.distribute.OneDeviceStrategy("/gpu:0").scope():
+        gpu_ops = _training_graph_ops(model, images)
+    # The CPU's training forms: attention in two halves of the batch, its gradient written out
+    # (no Softmax op); a GPU gets the reference form.
+    assert "Split" in cpu_ops and "Softmax" not in cpu_ops, sorted(set(cpu_ops))
+    assert "Split" not in gpu_ops and "Softmax" in gpu_ops, sorted(set(gpu_ops))
+    cpu_only = {"FusedBatchNormV3", "PlaceholderWithDefault", "Split"}
+    assert not cpu_only & set(gpu_ops)
