@@ -293,7 +293,7 @@ def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicub
     Args:
         params: the output of `canonicalize`.
         target_shapes: the model's weights, {path: shape} (e.g.
-            "encoderblock_0/attention/qkv_kernel": (D, 3D)).
+            "encoderblock_0/attention/qkv_kernel": (D, 3, D)).
         grid_size: the model's patch grid, for resampling the position embeddings.
 
     Returns:
@@ -326,12 +326,12 @@ def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicub
         elif block:
             prefix, rest = f"Transformer/encoderblock_{block.group(1)}/", block.group(2)
             attention = prefix + _ATTENTION
+            # The query, key and value kernels (D, heads, head_dim) stacked as (D, 3, D), their
+            # biases (heads, head_dim) as (3, D): the attention layer's head-aligned layout.
             if rest == "attention/qkv_kernel":
-                value = np.concatenate(
-                    [take(f"{attention}/{n}/kernel").reshape(shape[0], -1) for n in _QKV], axis=1
-                )
+                value = np.stack([take(f"{attention}/{n}/kernel").reshape(shape[0], -1) for n in _QKV], axis=1)
             elif rest == "attention/qkv_bias":
-                value = np.concatenate([take(f"{attention}/{n}/bias").reshape(-1) for n in _QKV])
+                value = np.stack([take(f"{attention}/{n}/bias").reshape(-1) for n in _QKV])
             elif rest == "attention/output_kernel":
                 kernel = take(f"{attention}/out/kernel")
                 value = kernel.reshape(-1, kernel.shape[-1])
@@ -412,12 +412,14 @@ def to_checkpoint(weights, num_heads):
             prefix, rest = f"Transformer/encoderblock_{block.group(1)}/", block.group(2)
             attention = prefix + _ATTENTION
             heads = num_heads
+            # (D, 3, D) and (3, D); the flat (D, 3D) and (3D,) of older models hold the same
+            # numbers in the same order.
             if rest == "attention/qkv_kernel":
                 dim = value.shape[0]
-                for n, part in zip(_QKV, np.split(value, 3, axis=1)):
+                for n, part in zip(_QKV, np.moveaxis(value.reshape(dim, 3, -1), 1, 0)):
                     params[f"{attention}/{n}/kernel"] = part.reshape(dim, heads, dim // heads)
             elif rest == "attention/qkv_bias":
-                for n, part in zip(_QKV, np.split(value, 3)):
+                for n, part in zip(_QKV, value.reshape(3, -1)):
                     params[f"{attention}/{n}/bias"] = part.reshape(heads, -1)
             elif rest == "attention/output_kernel":
                 params[f"{attention}/out/kernel"] = value.reshape(heads, -1, value.shape[-1])

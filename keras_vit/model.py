@@ -15,9 +15,10 @@ Layer names are stable; the checkpoint converters map onto them:
 | `head` (if `num_classes`) | `kernel`, `bias` | `head/*` |
 
 Inside `encoderblock_{i}`: `attention_norm` (LayerNorm_0), `attention`
-(MultiHeadDotProductAttention_1; `qkv_kernel` is query, key, value kernels
-reshaped to (D, D) and concatenated), `mlp_norm` (LayerNorm_2), `mlp_dense_1`
-and `mlp_dense_2` (MlpBlock_3/Dense_0, Dense_1).
+(MultiHeadDotProductAttention_1; `qkv_kernel` (D, 3, D) is the query, key and
+value kernels, each reshaped to (D, D), stacked on the middle axis, so its last
+axis is heads x head_dim), `mlp_norm` (LayerNorm_2), `mlp_dense_1` and
+`mlp_dense_2` (MlpBlock_3/Dense_0, Dense_1).
 """
 
 import keras

@@ -408,3 +408,30 @@ def test_set_image_size_takes_chains_of_layers_only(source):
     stacked = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Conv2D(3, 1)], name="stacked")
     with pytest.raises(ValueError, match=r"\(a chain of layers\); got 'stacked'"):
         keras_vit.set_image_size(stacked, 32)
+
+
+def test_query_key_value_are_stacked_with_the_heads_on_the_last_axis(source):
+    """convert_checkpoint builds the attention's (D, 3, D) kernel and (3, D) bias: q, k, v on the
+    middle axis, head h in columns h * head_dim ... (h + 1) * head_dim of the last (what a cut of the
+    last axis into equal pieces keeps whole); to_checkpoint also reads the flat (D, 3D) layout."""
+    _, path = source
+    params = checkpoints.canonicalize(checkpoints.read_npz(path))
+    model = small_vit()
+    shapes = {v.path: tuple(v.shape) for v in model.weights}
+    weights, _ = checkpoints.convert_checkpoint(params, shapes, (4, 4))
+    kernel, bias = weights["encoderblock_1/attention/qkv_kernel"], weights["encoderblock_1/attention/qkv_bias"]
+    assert kernel.shape == (16, 3, 16) and bias.shape == (3, 16)
+    attention = "Transformer/encoderblock_1/MultiHeadDotProductAttention_1/"
+    for i, name in enumerate(("query", "key", "value")):
+        for head in range(4):
+            columns = slice(head * 4, (head + 1) * 4)
+            np.testing.assert_array_equal(kernel[:, i, columns], params[f"{attention}{name}/kernel"][:, head])
+            np.testing.assert_array_equal(bias[i, columns], params[f"{attention}{name}/bias"][head])
+    flat = dict(weights)
+    for path in [p for p in weights if p.endswith(("/qkv_kernel", "/qkv_bias"))]:
+        flat[path] = weights[path].reshape(16, 48) if path.endswith("kernel") else weights[path].reshape(48)
+    from_flat, from_stacked = checkpoints.to_checkpoint(flat, 4), checkpoints.to_checkpoint(weights, 4)
+    assert from_flat.keys() == from_stacked.keys() == params.keys()
+    for key in params:
+        np.testing.assert_array_equal(from_flat[key], params[key])
+        np.testing.assert_array_equal(from_stacked[key], params[key])

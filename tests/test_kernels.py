@@ -91,6 +91,51 @@ def test_reference_layer_norm_dense_and_gelu():
         kernels.dense(x, kernel, bias, activation="relu")
 
 
+def test_dense_contracts_the_last_axis_with_a_kernel_of_any_rank():
+    """The attention's (hidden, 3, hidden) kernel and (3, hidden) bias give (..., 3, hidden): the
+    flat (hidden, 3 * hidden) product, reshaped."""
+    rng = _rng(10)
+    x = rng.normal(size=(2, 5, 8)).astype("float32")
+    kernel, bias = rng.normal(size=(8, 3, 4)).astype("float32"), rng.normal(size=(3, 4)).astype("float32")
+    want = (x @ kernel.reshape(8, 12) + bias.reshape(12)).reshape(2, 5, 3, 4)
+    for activation in (None, "gelu"):
+        got = keras.ops.convert_to_numpy(reference.dense(x, kernel, bias, activation))
+        assert got.shape == (2, 5, 3, 4)
+        if activation is None:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        entry_point = keras.ops.convert_to_numpy(kernels.dense(x, kernel, bias, activation))
+        np.testing.assert_allclose(got, entry_point, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_takes_the_stacked_and_the_flat_projections():
+    """(batch, tokens, 3, hidden), the layer's layout, and (batch, tokens, 3 * hidden) are the same
+    numbers; every form gives the same values for both. Other shapes are refused."""
+    stacked = _rng(11).normal(size=(4, 7, 3, 12)).astype("float32")
+    flat = stacked.reshape(4, 7, 36)
+    want = keras.ops.convert_to_numpy(reference.attention(flat, 3)[0])
+    forms = {"reference": lambda x: reference.attention(x, 3)[0]}
+    if keras.backend.backend() == "tensorflow":
+        from keras_vit.kernels import tf_cpu
+
+        forms["tf_cpu training"] = lambda x: tf_cpu.attention_for_training(x, 3)
+        forms["tf_cpu inference"] = lambda x: tf_cpu.attention_for_inference(x, 3)
+    from keras_vit.kernels import fused
+
+    forms["fused"] = lambda x: fused.attention(x, 3)
+    forms["entry point"] = lambda x: kernels.attention(x, 3)
+    for name, form in forms.items():
+        for qkv in (stacked, flat):
+            got = keras.ops.convert_to_numpy(form(qkv))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{name} {qkv.shape}")
+    for bad, message in (
+        (np.zeros((2, 5, 4, 12), "float32"), r"\(batch, tokens, 3, hidden\).*qkv.shape=\(2, 5, 4, 12\)"),
+        (np.zeros((2, 5, 35), "float32"), r"qkv.shape=\(2, 5, 35\)"),
+        (np.zeros((2, 5, 3, 10), "float32"), r"divisible by `num_heads`.*\(hidden 10\), num_heads=3"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            kernels.attention(bad, 3)
+
+
 # === Fast forms against the reference forms ===
 
 
@@ -102,16 +147,18 @@ def test_tensorflow_dense_matches_the_reference(dtype, tolerance):
     rng = _rng(2)
     x = keras.ops.cast(rng.normal(size=(2, 9, 16)), dtype)
     kernel, bias = rng.normal(0, 0.3, (16, 24)).astype("float32"), rng.normal(size=24).astype("float32")
-    for activation in (None, "gelu"):
-        got = tf_ops.dense(x, kernel, bias, activation)
-        want = reference.dense(x, kernel, bias, activation)
-        assert got.dtype == want.dtype == x.dtype and tuple(got.shape) == (2, 9, 24)
-        np.testing.assert_allclose(
-            keras.ops.convert_to_numpy(keras.ops.cast(got, "float32")),
-            keras.ops.convert_to_numpy(keras.ops.cast(want, "float32")),
-            rtol=tolerance,
-            atol=tolerance,
-        )
+    stacked = (kernel.reshape(16, 3, 8), bias.reshape(3, 8))  # The attention's layout.
+    for (kernel, bias), shape in (((kernel, bias), (2, 9, 24)), (stacked, (2, 9, 3, 8))):
+        for activation in (None, "gelu"):
+            got = tf_ops.dense(x, kernel, bias, activation)
+            want = reference.dense(x, kernel, bias, activation)
+            assert got.dtype == want.dtype == x.dtype and tuple(got.shape) == tuple(want.shape) == shape
+            np.testing.assert_allclose(
+                keras.ops.convert_to_numpy(keras.ops.cast(got, "float32")),
+                keras.ops.convert_to_numpy(keras.ops.cast(want, "float32")),
+                rtol=tolerance,
+                atol=tolerance,
+            )
 
 
 @tensorflow_only
@@ -316,6 +363,114 @@ def test_each_cpu_form_is_chosen_where_the_table_says(monkeypatch, onednn):
     assert attention_ops(False, tf.bfloat16).count("Cast") == reference_casts.count("Cast") - 2 * onednn
     with kernels.portable_ops():
         assert "Split" not in attention_ops(True, tf.float32) and "Softmax" in attention_ops(True, tf.float32)
+
+
+def attention_under_a_simulated_tpu(out_dir):
+    """The child of the test below (Keras' JAX backend): attention at 197 and 256 tokens where
+    JAX's first device reports itself a TPU, with Splash (a Pallas TPU kernel) interpreted on
+    the CPU, through keras_vit's entry point and through Keras' own route."""
+    import json
+    import math
+    import pathlib
+
+    import jax
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel
+
+    from keras_vit.kernels import fused
+
+    heads, head_dim = 2, 64
+    built, flags, results = [], [], {}
+    make_splash_mha = splash_attention_kernel.make_splash_mha
+    dot_product_attention = fused.ops.dot_product_attention
+    devices, default_backend = jax.devices, jax.default_backend
+
+    def interpreted_splash(*args, **kwargs):
+        kernel = make_splash_mha(*args, **{**kwargs, "interpret": True})  # Pallas' interpreter runs on any device.
+        built.append(kernel)
+        return kernel
+
+    def spy(*args, **kwargs):
+        flags.append(kwargs.get("flash_attention"))
+        return dot_product_attention(*args, **kwargs)
+
+    class SimulatedTPU:
+        platform, id, device_kind = "tpu", 0, "TPU (simulated)"
+
+    splash_attention_kernel.make_splash_mha = interpreted_splash
+    fused.ops.dot_product_attention = spy
+    # What Keras reads (jax.devices()[0].platform) and what keras_vit's policy reads.
+    jax.devices = lambda backend=None: [SimulatedTPU()] if backend is None else devices(backend)
+    jax.default_backend = lambda: "tpu"
+    try:
+        assert kernels.current().device == "tpu" and kernels.current().use_fused_attention
+        for tokens in (197, 256):
+            qkv = _rng(tokens).normal(size=(1, tokens, 3, heads * head_dim)).astype("float32")
+            q, k, v = (qkv[:, :, i].reshape(1, tokens, heads, head_dim) for i in range(3))
+            built.clear(), flags.clear()
+            guarded = keras.ops.convert_to_numpy(kernels.attention(qkv, heads))
+            guarded_flags, guarded_built = list(flags), len(built)
+            built.clear()
+            unguarded = keras.ops.convert_to_numpy(
+                keras.ops.dot_product_attention(q, k, v, scale=1.0 / math.sqrt(head_dim))
+            )
+            results[tokens] = {
+                "guarded": guarded.reshape(1, tokens, heads, head_dim).tolist(),
+                "guarded_flags": guarded_flags,
+                "guarded_splash_kernels": guarded_built,
+                "unguarded": unguarded.tolist(),
+                "unguarded_splash_kernels": len(built),
+                "qkv": qkv.tolist(),
+            }
+    finally:
+        splash_attention_kernel.make_splash_mha = make_splash_mha
+        fused.ops.dot_product_attention = dot_product_attention
+        jax.devices, jax.default_backend = devices, default_backend
+    (pathlib.Path(out_dir) / "result.json").write_text(json.dumps(results))
+
+
+def _explicit_attention(qkv, heads, causal=False, scale=True):
+    """softmax(q k^T / sqrt(head_dim)) v in float64, (batch, tokens, heads, head_dim); optionally
+    with a causal mask or without the scale."""
+    batch, tokens = qkv.shape[:2]
+    q, k, v = (qkv[:, :, i].reshape(batch, tokens, heads, -1).astype("float64") for i in range(3))
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / (np.sqrt(q.shape[-1]) if scale else 1.0)
+    if causal:
+        logits = np.where(np.tril(np.ones((tokens, tokens), bool)), logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+@pytest.mark.slow
+def test_attention_on_a_tpu_never_takes_keras_splash_route(tmp_path):
+    """On a (simulated) TPU keras_vit's attention is softmax(q k^T / sqrt(d)) v at 197 and 256
+    tokens and asks Keras for no flash kernel; Keras' own route, the same call with
+    flash_attention=None, runs Splash at 256 tokens (a multiple of its 128-row blocks) with a
+    causal mask and no scaling: the function the guard in keras_vit/kernels/fused.py keeps out.
+    Float32 against float64: 1e-5."""
+    from tests.test_parallel import run_in_jax_child
+
+    results = run_in_jax_child("tests.test_kernels.attention_under_a_simulated_tpu", tmp_path, devices=1)
+    for tokens in ("197", "256"):
+        result = results[tokens]
+        qkv = np.asarray(result["qkv"], "float32")
+        want = _explicit_attention(qkv, 2)
+        np.testing.assert_allclose(np.asarray(result["guarded"]), want, rtol=1e-5, atol=1e-5, err_msg=tokens)
+    for tokens in ("197", "256"):
+        result = results[tokens]
+        assert result["guarded_flags"] == [False] and result["guarded_splash_kernels"] == 0, result["guarded_flags"]
+        qkv = np.asarray(result["qkv"], "float32")
+        want = _explicit_attention(qkv, 2)
+        unguarded = np.asarray(result["unguarded"])
+        if tokens == "197":  # Splash refuses the shape; Keras falls back to the XLA formulation.
+            assert result["unguarded_splash_kernels"] == 0
+            np.testing.assert_allclose(unguarded, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert result["unguarded_splash_kernels"] == 1
+            # When this stops holding, Keras' route computes the right function: see fused.py.
+            assert np.abs(unguarded - want).max() > 0.1
+            causal_unscaled = _explicit_attention(qkv, 2, causal=True, scale=False)
+            np.testing.assert_allclose(unguarded, causal_unscaled, rtol=1e-4, atol=1e-4)
 
 
 # === Which form runs where: decided per trace ===

@@ -171,8 +171,8 @@ def _straightforward_block(block, hidden):
     attention = block.attention
     kernel, bias = attention.qkv_kernel.numpy(), attention.qkv_bias.numpy()
     for i, dense in enumerate((mha._query_dense, mha._key_dense, mha._value_dense)):
-        dense.kernel.assign(kernel[:, i * hidden : (i + 1) * hidden].reshape(hidden, heads, head_dim))
-        dense.bias.assign(bias[i * hidden : (i + 1) * hidden].reshape(heads, head_dim))
+        dense.kernel.assign(kernel[:, i].reshape(hidden, heads, head_dim))
+        dense.bias.assign(bias[i].reshape(heads, head_dim))
     mha._output_dense.kernel.assign(attention.output_kernel.numpy().reshape(heads, head_dim, hidden))
     mha._output_dense.bias.assign(attention.output_bias.numpy())
 

@@ -240,3 +240,69 @@ def test_hybrid_keras_save_and_reload_is_exact(tmp_path):
     model.save(tmp_path / "hybrid.keras")
     restored = keras.saving.load_model(tmp_path / "hybrid.keras")
     np.testing.assert_array_equal(restored.predict(images, verbose=0), expected)
+
+
+def _to_flat_qkv_layout(weights_h5, destination):
+    """Copies a weights file (.weights.h5) with every attention's `qkv_kernel` (D, 3, D) and
+    `qkv_bias` (3, D) rewritten as earlier versions saved them: (D, 3D) and (3D,), same numbers."""
+    import h5py
+
+    with h5py.File(weights_h5, "r") as source, h5py.File(destination, "w") as target:
+        for key, value in source.attrs.items():
+            target.attrs[key] = value
+
+        def copy(name, item):
+            if isinstance(item, h5py.Group):
+                group = target.require_group(name)
+                for key, value in item.attrs.items():
+                    group.attrs[key] = value
+                return
+            array = item[()]
+            if name.endswith("attention/vars/0") and array.ndim == 3:
+                array = array.reshape(array.shape[0], -1)
+            elif name.endswith("attention/vars/1") and array.ndim == 2:
+                array = array.reshape(-1)
+            target.create_dataset(name, data=array)
+
+        source.visititems(copy)
+
+
+def test_files_saved_with_the_flat_qkv_layout_load_exactly(tmp_path):
+    """.keras and .weights.h5 files holding (D, 3D) / (3D,) query-key-value weights load into the
+    (D, 3, D) / (3, D) layout with the same outputs; Keras' own loading refuses those shapes."""
+    import zipfile
+
+    import h5py
+
+    model = randomize_weights(small_vit(num_layers=2))
+    images = random_images((4, 8, 12, 3))
+    expected = model.predict(images, verbose=0)
+    model.save(tmp_path / "new.keras")
+    with zipfile.ZipFile(tmp_path / "new.keras") as archive:
+        archive.extract("model.weights.h5", tmp_path / "new")
+        entries = {name: archive.read(name) for name in archive.namelist() if name != "model.weights.h5"}
+    _to_flat_qkv_layout(tmp_path / "new" / "model.weights.h5", tmp_path / "flat.weights.h5")
+    with h5py.File(tmp_path / "flat.weights.h5", "r") as f:
+        shapes = {f[f"layers/transformer_block{s}/attention/vars/{i}"].shape for s in ("", "_1") for i in (0, 1)}
+    assert shapes == {(16, 48), (48,)}
+    with zipfile.ZipFile(tmp_path / "flat.keras", "w") as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+        archive.write(tmp_path / "flat.weights.h5", "model.weights.h5")
+
+    restored = keras.saving.load_model(tmp_path / "flat.keras")
+    attention = restored.get_layer("encoderblock_1").attention
+    assert tuple(attention.qkv_kernel.shape) == (16, 3, 16) and tuple(attention.qkv_bias.shape) == (3, 16)
+    np.testing.assert_array_equal(restored.predict(images, verbose=0), expected)
+    for new, old in zip(restored.weights, model.weights):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(new), keras.ops.convert_to_numpy(old))
+
+    fresh = small_vit(num_layers=2)
+    fresh.load_weights(tmp_path / "flat.weights.h5")
+    np.testing.assert_array_equal(fresh.predict(images, verbose=0), expected)
+
+    # What the override is for: Keras' loading assigns the stored arrays as they are.
+    with h5py.File(tmp_path / "flat.weights.h5", "r") as f:
+        store = {key: value[()] for key, value in f["layers/transformer_block/attention/vars"].items()}
+    with pytest.raises(ValueError, match=r"\(16, 48\)"):
+        keras.layers.Layer.load_own_variables(fresh.get_layer("encoderblock_0").attention, store)

@@ -6,12 +6,12 @@ places:
 
 | entry point | where | form |
 |---|---|---|
-| `attention` | GPU or TPU, backend other than TensorFlow | `keras.ops.dot_product_attention` (`fused`) |
+| `attention` | GPU or TPU, backend other than TensorFlow | `keras.ops.dot_product_attention` (`fused`; on TPUs without Keras' Splash route) |
 | `attention` | TensorFlow on a CPU, training | two halves of an even batch; float32 without dropout: gradient written out (`tf_cpu`) |
 | `attention` | TensorFlow on a CPU with oneDNN, 16-bit inference | softmax without the casts around it (`tf_cpu`) |
 | `layer_norm` | TensorFlow on a CPU with oneDNN, inference | the subgraph oneDNN's LayerNorm replaces (`tf_cpu`) |
 | `layer_norm` | TensorFlow on a CPU, float32 training | channel means as matmuls, gradient written out (`tf_cpu`) |
-| `dense` | TensorFlow | 2-D MatMul + BiasAdd (+ GELU), which the graph optimiser fuses (`tf_ops`) |
+| `dense` | TensorFlow | 2-D MatMul + BiasAdd (+ GELU), which the graph optimiser fuses, for kernels of any rank (`tf_ops`) |
 | `dropout` | TensorFlow on a CPU, XLA-compiled | ThreeFry masks (`tf_cpu`) |
 
 The form is chosen each time an entry point is traced, from
@@ -33,7 +33,9 @@ def attention(qkv, num_heads, *, training=False, dropout=None, return_probabilit
     """Multi-head attention of projected tokens (paper appendix A, eq. 5-8).
 
     Args:
-        qkv: (batch, tokens, 3 * hidden): queries, keys and values side by side.
+        qkv: (batch, tokens, 3, hidden): the query, key and value projections,
+            heads inside each (the layer's layout); or the same numbers as
+            (batch, tokens, 3 * hidden).
         num_heads: heads; hidden must be divisible by it.
         training: whether `dropout` applies.
         dropout: None, or a callable (x, training) for the attention
@@ -45,6 +47,7 @@ def attention(qkv, num_heads, *, training=False, dropout=None, return_probabilit
         `return_probabilities` the float32 probabilities (batch, heads,
         tokens, tokens) as a second result.
     """
+    _check_qkv(qkv, num_heads)
     dropout = dropout if training else None
     target = policy.current()
     if return_probabilities:
@@ -77,7 +80,8 @@ def layer_norm(x, gamma, beta, epsilon, *, training=False):
 
 
 def dense(x, kernel, bias=None, activation=None):
-    """activation(x @ kernel + bias) over the last axis; activation None or "gelu" (exact)."""
+    """activation(x @ kernel + bias): x's last axis contracted with the kernel's first, the
+    kernel's other axes (and the bias's) those of the result; activation None or "gelu" (exact)."""
     if activation not in reference.ACTIVATIONS:
         raise ValueError(
             f"`activation` must be one of {sorted(map(str, reference.ACTIVATIONS))}. "
@@ -88,6 +92,24 @@ def dense(x, kernel, bias=None, activation=None):
 
         return tf_ops.dense(x, kernel, bias, activation)
     return reference.dense(x, kernel, bias, activation)
+
+
+def _check_qkv(qkv, num_heads):
+    shape = tuple(qkv.shape)
+    if len(shape) == 4 and shape[2] == 3:
+        hidden = shape[3]
+    elif len(shape) == 3 and shape[2] is not None and shape[2] % 3 == 0:
+        hidden = shape[2] // 3
+    else:
+        raise ValueError(
+            "`qkv` must have shape (batch, tokens, 3, hidden) or (batch, tokens, 3 * hidden). "
+            f"Received: qkv.shape={shape}"
+        )
+    if hidden is None or hidden % num_heads:
+        raise ValueError(
+            f"The hidden width of `qkv` must be divisible by `num_heads`. Received: qkv.shape={shape} "
+            f"(hidden {hidden}), num_heads={num_heads}"
+        )
 
 
 def dropout(x, rate, seed_generator, noise_shape=None):

@@ -51,9 +51,10 @@ class Target:
         """Whether attention may be `keras.ops.dot_product_attention`.
 
         On a GPU or TPU with a backend other than TensorFlow, where it
-        dispatches to a fused kernel (cuDNN's on NVIDIA GPUs, Splash on TPUs)
-        or to the backend's own formulation. TensorFlow's version is the same
-        batched matmuls as the reference form.
+        dispatches to a fused kernel (cuDNN's on NVIDIA GPUs) or to the
+        backend's own formulation (on TPUs `kernels.fused` keeps it off Keras'
+        Splash route). TensorFlow's version is the same batched matmuls as the
+        reference form.
         """
         if self.fused_attention is not None:
             return self.fused_attention

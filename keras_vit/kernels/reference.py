@@ -24,12 +24,17 @@ ACTIVATIONS = {None: lambda x: x, "gelu": gelu}
 
 
 def dense(x, kernel, bias, activation=None):
-    """activation(x @ kernel + bias) over the last axis, in x's dtype.
+    """activation(x @ kernel + bias), in x's dtype: x's last axis contracted with the kernel's first.
 
-    Weights are cast to x's dtype: under a mixed policy the variables are
-    float32 and the activations 16-bit.
+    A kernel of more than two axes (the attention's (hidden, 3, hidden)) gives
+    outputs with its trailing axes, (..., 3, hidden), without reshaping the
+    kernel: a reshape would merge an axis that a device mesh may shard
+    (`keras_vit.parallel`) with one it does not. Weights are cast to x's
+    dtype: under a mixed policy the variables are float32 and the activations
+    16-bit.
     """
-    y = ops.matmul(x, ops.cast(kernel, x.dtype))
+    kernel = ops.cast(kernel, x.dtype)
+    y = ops.matmul(x, kernel) if len(kernel.shape) == 2 else ops.tensordot(x, kernel, axes=1)
     if bias is not None:
         y = y + ops.cast(bias, x.dtype)
     return ACTIVATIONS[activation](y)
@@ -46,11 +51,16 @@ def dropout(x, rate, seed, noise_shape=None):
     return keras.random.dropout(x, rate, noise_shape=noise_shape, seed=seed)
 
 
+def qkv_width(qkv):
+    """The hidden width of projected tokens, (batch, tokens, 3, hidden) or (batch, tokens, 3 * hidden)."""
+    return qkv.shape[-1] if len(qkv.shape) == 4 else qkv.shape[-1] // 3
+
+
 def split_heads(qkv, num_heads):
-    """(batch, tokens, 3 * hidden) -> query / sqrt(head_dim), key, value, each
-    (batch, heads, tokens, head_dim)."""
-    tokens, width = qkv.shape[1], qkv.shape[2]
-    head_dim = width // (3 * num_heads)
+    """(batch, tokens, 3, hidden) or (batch, tokens, 3 * hidden) -> query / sqrt(head_dim),
+    key, value, each (batch, heads, tokens, head_dim)."""
+    tokens = qkv.shape[1]
+    head_dim = qkv_width(qkv) // num_heads
     qkv = ops.reshape(qkv, (-1, tokens, 3, num_heads, head_dim))
     # Unstacking the projections: its gradient is one stack, where indexing's is one
     # full-size zero tensor per index.
@@ -68,8 +78,9 @@ def attention(qkv, num_heads, training=False, dropout=None):
     """softmax(q k^T / sqrt(head_dim)) v per head (paper eq. 5-8, appendix A).
 
     Args:
-        qkv: (batch, tokens, 3 * hidden), the query, key and value projections
-            side by side, heads inside each.
+        qkv: (batch, tokens, 3, hidden), the query, key and value projections
+            with the heads inside each (or the same numbers as (batch, tokens,
+            3 * hidden)).
         num_heads: heads.
         training: whether `dropout` applies.
         dropout: None, or a callable (x, training) applied to the probabilities.

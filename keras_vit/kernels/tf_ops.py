@@ -11,12 +11,17 @@ def dense(x, kernel, bias, activation=None):
 
     TensorFlow's graph optimiser fuses MatMul + BiasAdd + activation into one
     kernel (oneDNN's on a CPU, cuBLASLt's epilogue on a GPU); MatMul + AddV2
-    only gets the bias fused, and a 3-D matmul none of it.
+    only gets the bias fused, and a 3-D matmul none of it. A kernel of more
+    than two axes (the attention's (hidden, 3, hidden)) is multiplied as its
+    (rows, columns) reshape, and the result takes its trailing axes back.
     """
     shape = x.shape
     kernel = ops.cast(kernel, x.dtype)
+    outputs = tuple(kernel.shape[1:])
+    if len(outputs) > 1:
+        kernel = tf.reshape(kernel, (kernel.shape[0], -1))
     y = tf.matmul(tf.reshape(x, (-1, shape[-1])), kernel)
     if bias is not None:
-        y = tf.nn.bias_add(y, ops.cast(bias, x.dtype))
+        y = tf.nn.bias_add(y, tf.reshape(ops.cast(bias, x.dtype), (-1,)))
     y = reference.ACTIVATIONS[activation](y)
-    return tf.reshape(y, (-1, *shape[1:-1], kernel.shape[-1]))
+    return tf.reshape(y, (-1, *shape[1:-1], *outputs))

@@ -1,6 +1,9 @@
 """Multi-head self-attention (paper eq. 2 and appendix A, eq. 5-8)."""
 
+import math
+
 import keras
+import numpy as np
 
 from keras_vit import kernels
 from keras_vit.layers.common import check_positive_int, check_rate, register
@@ -14,11 +17,15 @@ class MultiHeadSelfAttention(keras.layers.Layer):
     [q, k, v] = z U_qkv;  A = softmax(q k^T / sqrt(D_h));  MSA(z) = [A_1 v_1, ..., A_k v_k] U_msa
 
     The query, key and value projections are one matmul with a
-    (hidden, 3 * hidden) kernel: the original checkpoints' query, key and value
-    kernels of shape (hidden, heads, head_dim), reshaped to (hidden, hidden) and
-    concatenated in that order. The softmax runs in float32 under mixed
-    precision. How the attention is computed is `keras_vit.kernels.attention`'s
-    choice.
+    (hidden, 3, hidden) kernel: the original checkpoints' query, key and value
+    kernels of shape (hidden, heads, head_dim), each reshaped to (hidden,
+    hidden), stacked in that order on the middle axis. The last axis is heads x
+    head_dim, so cutting it into N equal pieces gives each piece whole heads
+    when N divides the heads (tensor parallelism, `keras_vit.parallel`). Files
+    saved with the earlier (hidden, 3 * hidden) kernel and (3 * hidden,) bias,
+    the same numbers in the same order, load unchanged. The softmax runs in
+    float32 under mixed precision. How the attention is computed is
+    `keras_vit.kernels.attention`'s choice.
 
     Args:
         num_heads: number of heads; the input width must be divisible by it.
@@ -31,7 +38,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         return_attention_scores: also return the attention probabilities,
             (batch, heads, tokens, tokens).
 
-    Weights: `qkv_kernel` (hidden, 3 * hidden), `qkv_bias` (3 * hidden,),
+    Weights: `qkv_kernel` (hidden, 3, hidden), `qkv_bias` (3, hidden),
     `output_kernel` (hidden, hidden), `output_bias` (hidden,).
 
     >>> attention = MultiHeadSelfAttention(num_heads=2)
@@ -53,15 +60,16 @@ class MultiHeadSelfAttention(keras.layers.Layer):
                 "The input width must be divisible by `num_heads`. Received: input_shape="
                 f"{tuple(input_shape)}, num_heads={self.num_heads}"
             )
-        # Glorot-uniform as if q, k and v were three (hidden, hidden) kernels:
-        # for a (hidden, 3 * hidden) kernel fan_avg is 2 * hidden, so scale 2
-        # restores the limit sqrt(6 / (hidden + hidden)).
+        # Glorot-uniform as if q, k and v were three (hidden, hidden) kernels: the
+        # limit sqrt(6 / (hidden + hidden)). Keras' fans of a 3-D kernel would count
+        # the first axis as a receptive field.
+        limit = math.sqrt(3.0 / hidden)
         self.qkv_kernel = self.add_weight(
             name="qkv_kernel",
-            shape=(hidden, 3 * hidden),
-            initializer=keras.initializers.VarianceScaling(2.0, "fan_avg", "uniform"),
+            shape=(hidden, 3, hidden),
+            initializer=keras.initializers.RandomUniform(-limit, limit),
         )
-        self.qkv_bias = self.add_weight(name="qkv_bias", shape=(3 * hidden,), initializer="zeros")
+        self.qkv_bias = self.add_weight(name="qkv_bias", shape=(3, hidden), initializer="zeros")
         self.output_kernel = self.add_weight(
             name="output_kernel", shape=(hidden, hidden), initializer="glorot_uniform"
         )
@@ -84,6 +92,22 @@ class MultiHeadSelfAttention(keras.layers.Layer):
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape)
+
+    def load_own_variables(self, store):
+        """Keras' loading, also of files saved with the flat layout: a (hidden, 3 * hidden)
+        `qkv_kernel` and a (3 * hidden,) `qkv_bias`, reshaped to (hidden, 3, hidden) and (3, hidden)."""
+        if not self.built:
+            return super().load_own_variables(store)
+        arrays = {key: store[key] for key in store.keys()}
+        # Keys are the variables' positions in the order Keras saves them.
+        variables = self._trainable_variables + self._non_trainable_variables
+        for variable in (self.qkv_kernel, self.qkv_bias):
+            key = str(next(i for i, v in enumerate(variables) if v is variable))
+            shape = tuple(variable.shape)
+            flat = (*shape[:-2], shape[-2] * shape[-1])
+            if key in arrays and tuple(arrays[key].shape) == flat:
+                arrays[key] = np.reshape(np.asarray(arrays[key]), shape)
+        super().load_own_variables(arrays)
 
     def get_config(self):
         return {
