@@ -1,7 +1,8 @@
 """keras_vit: the Vision Transformer for Keras 3 and TensorFlow.
 
 The public API. The model, its layers and the training recipes need Keras
-only (any backend); `keras_vit.data`, `keras_vit.distribute`,
+only (any backend), and so does `keras_vit.parallel` (training over a device
+mesh with `keras.distribution`); `keras_vit.data`, `keras_vit.distribute`,
 `keras_vit.export` and the checkpoints' file I/O need TensorFlow and are
 imported by name.
 """
@@ -22,7 +23,9 @@ from keras_vit.layers import (
     TokenPooling,
     TransformerBlock,
 )
+from keras_vit.mixing import BatchMixer, enable_batch_mixing
 from keras_vit.model import build_vit
+from keras_vit.parallel import check_model_parallel, get_layout_map, make_distribution
 from keras_vit.resnet import BottleneckUnit, ResNetStem, StandardizedConv2D
 from keras_vit.training import SGD, AdamW, WarmupLinearDecay, learning_rate_schedule, make_optimizer
 from keras_vit.variants import HYBRIDS, MODEL_SIZES, VARIANTS, ViTConfig, parse_variant
@@ -31,6 +34,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AdamW",
+    "BatchMixer",
     "BottleneckUnit",
     "HYBRIDS",
     "MODEL_SIZES",
@@ -46,10 +50,14 @@ __all__ = [
     "ViTConfig",
     "WarmupLinearDecay",
     "build_vit",
+    "check_model_parallel",
     "count_flops",
+    "enable_batch_mixing",
     "freeze_backbone",
+    "get_layout_map",
     "learning_rate_schedule",
     "load_pretrained",
+    "make_distribution",
     "make_optimizer",
     "parse_variant",
     "replace_head",
