@@ -7,6 +7,8 @@ r"""Benchmarks of keras_vit on this machine.
     python -m experiments.benchmark --mode=train_profile --variant=S/16
     python -m experiments.benchmark --mode=patch_projection --variant=B/16 --batch_size=16
     python -m experiments.benchmark --mode=serving --variant=Ti/16 --image_size=224
+    python -m experiments.benchmark --mode=input --image_size=224 --batch_size=64 [--randaugment=2,10] \
+        [--data=PATH|tfds:NAME [--data_dir=DIR]]
 
 `infer` / `train`: images per second of Keras `predict` (inference) or of
 `fit` steps (training: AdamW, sparse cross-entropy) on in-memory data, after a
@@ -52,6 +54,16 @@ ratio conv / matmul (> 1 means the conv is faster).
 warm-up) of the Keras model (a tf.function), its SavedModel signature and each
 TFLite flavour (float32, float16, dynamic-range, int8; LiteRT interpreter with
 as many threads as cores), with each one's ratio to the Keras model.
+
+`input`: images per second this host's training input pipeline delivers
+(`keras_vit.data.training_pipeline`, what the job feeds `fit`: read, decode
+with failures skipped, Inception crop, flip, optional RandAugment, uint8
+batches at --image_size), with the CPU time per image and how many cores were
+busy; the median of --repeats repetitions of --input_images images after a
+warm-up pass.  The data: --data (an image folder, local or gs://, or
+tfds:NAME[:SPLIT] with --data_dir), else a folder of --synthetic_images JPEGs
+of --synthetic_size written to a temporary folder.  Compare its rate with
+`--mode=train` at the same image size: the slower of the two sets the pace.
 """
 
 import functools
@@ -84,7 +96,7 @@ from keras_vit.testing import (
 _MODE = flags.DEFINE_enum(
     "mode",
     "infer",
-    ["infer", "train", "attention", "profile", "train_profile", "patch_projection", "serving"],
+    ["infer", "train", "attention", "profile", "train_profile", "patch_projection", "serving", "input"],
     "What to measure.",
 )
 _VARIANT = flags.DEFINE_string("variant", "B/16", "ViT variant, e.g. B/16.")
@@ -93,7 +105,7 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Images per batch.")
 _REPEATS = flags.DEFINE_integer(
     "repeats",
     None,
-    "Timed repetitions (default: 5 for infer, train, profile and train_profile, 30 for the others).",
+    "Timed repetitions (default: 5 for infer, train, profile, train_profile and input, 30 for the others).",
 )
 _STEPS = flags.DEFINE_integer("steps", 2, "infer/train: batches per timed repetition.")
 _PRECISION = flags.DEFINE_enum(
@@ -104,6 +116,16 @@ _JIT = flags.DEFINE_enum(
 )
 _COMPARE = flags.DEFINE_list("compare", [], "infer/train: peers to measure, of keras_hub,timm.")
 PEERS = ("keras_hub", "timm")
+_DATA = flags.DEFINE_string(
+    "data", "", "input: an image folder (local or gs://) or tfds:NAME[:SPLIT]; default: synthetic JPEGs."
+)
+_DATA_DIR = flags.DEFINE_string("data_dir", "", "input: the TFDS data_dir of --data=tfds:NAME.")
+_SYNTHETIC_IMAGES = flags.DEFINE_integer("synthetic_images", 512, "input: JPEGs in the synthetic folder.")
+_SYNTHETIC_SIZE = flags.DEFINE_string(
+    "synthetic_size", "500x375", "input: WIDTHxHEIGHT of the synthetic JPEGs (500x375: a typical ImageNet photo)."
+)
+_RANDAUGMENT = flags.DEFINE_list("randaugment", [], "input: RandAugment NUM_OPS,MAGNITUDE, e.g. 2,10; none if empty.")
+_INPUT_IMAGES = flags.DEFINE_integer("input_images", 1024, "input: images per timed repetition.")
 
 
 # A pause before each timed call, so that no thread pool of the previous one
@@ -629,6 +651,85 @@ def train_profile(variant, image_size, batch_size, repeats):
     return parts
 
 
+# === input ===
+
+
+def write_synthetic_folder(root, count, size, seed=0):
+    """`count` JPEGs (quality 90) of `size` (width, height) in two class folders: smooth gradients
+    and noise, which encode to about 100 KB at 500x375, as ImageNet's photos do."""
+    width, height = size
+    rng = np.random.default_rng(seed)
+    rows, columns = np.mgrid[0:height, 0:width]
+    for i in range(count):
+        folder = os.path.join(root, f"class{i % 2}")
+        os.makedirs(folder, exist_ok=True)
+        base = np.stack([columns * (i % 7 + 1), rows * (i % 5 + 1), columns + rows + 20 * i], -1) % 256
+        image = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+        with open(os.path.join(folder, f"{i}.jpg"), "wb") as f:
+            f.write(tf.io.encode_jpeg(image, quality=90).numpy())
+    return root
+
+
+def input_rate(source, image_size, batch_size, randaugment, repeats, images_per_repeat, what):
+    """Measures and prints the training input pipeline's images/s; returns the median."""
+    from keras_vit import data as vit_data
+
+    ds = vit_data.training_pipeline(source, image_size, batch_size, randaugment=randaugment)
+    batches = iter(ds)
+    per_repeat = -(-images_per_repeat // batch_size)
+    for _ in range(-(-source.num_train // batch_size)):  # Warm-up: a pass over the files.
+        next(batches)
+    rates, cpu_per_image, busy = [], [], []
+    for _ in range(repeats):
+        start, cpu = time.perf_counter(), time.process_time()
+        for _ in range(per_repeat):
+            next(batches)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+        rates.append(per_repeat * batch_size / seconds)
+        cpu_per_image.append(cpu_seconds / (per_repeat * batch_size))
+        busy.append(cpu_seconds / seconds)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    rate = statistics.median(rates)
+    augment = "Inception crop, flip" + (f", RandAugment{tuple(randaugment)}" if randaugment else "")
+    print(
+        f"Input pipeline ({what}; read, decode, {augment}) at {image_size} px, batch {batch_size}, "
+        f"on {machine_name()}: median of {repeats} repetitions of {per_repeat * batch_size} images after a "
+        "warm-up pass"
+    )
+    print(
+        f"  {rate:.1f} images/s per host, {1000 * statistics.median(cpu_per_image):.2f} ms of CPU per image, "
+        f"{statistics.median(busy):.1f} of {cores} cores busy (tf.data AUTOTUNE: parallel calls up to "
+        f"{cores} per map)"
+    )
+    if source.skipped.count:
+        print(f"  {source.skipped.count} image(s) skipped: failed to decode, e.g. {source.skipped.paths[:3]}")
+    print(f"  Compare: --mode=train --image_size={image_size} gives the model's images/s on this host.")
+    return rate
+
+
+def input_benchmark(image_size, batch_size, repeats):
+    from keras_vit import data as vit_data
+
+    if _RANDAUGMENT.value and len(_RANDAUGMENT.value) != 2:
+        raise SystemExit(f"--randaugment takes NUM_OPS,MAGNITUDE. Received: {_RANDAUGMENT.value}")
+    randaugment = tuple(int(v) for v in _RANDAUGMENT.value) or None
+    with tempfile.TemporaryDirectory() as tmp:
+        data = _DATA.value
+        if data.startswith("tfds:"):
+            name, _, split = data[len("tfds:"):].partition(":")
+            source = vit_data.load_tfds(name, data_dir=_DATA_DIR.value or None, train_split=split or "train")
+            what = data
+        else:
+            if not data:
+                size = tuple(int(v) for v in _SYNTHETIC_SIZE.value.lower().split("x"))
+                data = write_synthetic_folder(tmp, _SYNTHETIC_IMAGES.value, size)
+                what = f"{_SYNTHETIC_IMAGES.value} synthetic {_SYNTHETIC_SIZE.value} JPEGs"
+            else:
+                what = f"folder {data}"
+            source = vit_data.load_folder(data, test_fraction=0.1)
+        return input_rate(source, image_size, batch_size, randaugment, repeats, _INPUT_IMAGES.value, what)
+
+
 def main(argv):
     del argv
     keras.utils.set_random_seed(0)
@@ -642,7 +743,7 @@ def main(argv):
         # it reads the flags when it first compiles, which is after this.
         flags_now = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags_now} --xla_cpu_enable_xprof_traceme=true".strip()
-    repeats = _REPEATS.value or (5 if mode in ("infer", "train", "profile", "train_profile") else 30)
+    repeats = _REPEATS.value or (5 if mode in ("infer", "train", "profile", "train_profile", "input") else 30)
     if mode in ("infer", "train"):
         throughput(
             _VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, mode, _PRECISION.value,
@@ -658,6 +759,8 @@ def main(argv):
         patch_projection(_VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, repeats)
     elif mode == "serving":
         serving(_VARIANT.value, _IMAGE_SIZE.value, repeats)
+    elif mode == "input":
+        input_benchmark(_IMAGE_SIZE.value, _BATCH_SIZE.value, repeats)
 
 
 if __name__ == "__main__":
