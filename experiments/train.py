@@ -13,6 +13,7 @@ images) and, while it runs, `backup/` (the state of an interrupted run; `fit`
 resumes from it when the same command is run again).
 """
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -26,7 +27,7 @@ from ml_collections import config_flags
 
 import keras_vit
 from keras_vit import data as vit_data
-from keras_vit import export, training, visualize
+from keras_vit import export, parallel, training, visualize
 from keras_vit.distribute import STRATEGIES, get_strategy, is_chief
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -35,6 +36,19 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", "runs/digits", "Where the model and metrics go.")
 _STRATEGY = flags.DEFINE_enum("strategy", "auto", list(STRATEGIES), "Distribution strategy.")
 _TPU = flags.DEFINE_string("tpu", None, "TPU name, grpc:// address or 'local' (with --strategy=tpu or auto).")
+_DISTRIBUTION = flags.DEFINE_enum(
+    "distribution", "auto", ["auto", "none", "data_parallel", "model_parallel"],
+    "Keras' JAX backend: keras.distribution over the devices (auto: data_parallel with more than "
+    "one device). model_parallel shards attention by heads and the MLP by its hidden units.",
+)
+_MESH_SHAPE = flags.DEFINE_list(
+    "mesh_shape", None, "JAX: the (batch, model) device mesh, e.g. 2,4; default: every device on the batch axis "
+    "for data_parallel, see keras_vit.parallel.make_distribution for model_parallel."
+)
+_MULTI_HOST = flags.DEFINE_bool(
+    "multi_host", False, "JAX on several hosts (a TPU pod slice, GPU hosts): run the same command on every "
+    "host; keras.distribution.initialize() connects them first."
+)
 
 
 class Throughput(keras.callbacks.Callback):
@@ -63,19 +77,38 @@ class Throughput(keras.callbacks.Callback):
 
 @dataclasses.dataclass
 class Data:
-    """What the job needs of a data set, whatever its source."""
+    """What the job needs of a data set, whatever its source.
 
-    train: tf.data.Dataset  # batches of (pixels, one-hot labels), augmented
-    test: tf.data.Dataset  # batches of (pixels, one-hot labels), every example
+    `train` yields batches of (uint8 pixels, one-hot labels), augmented.  For
+    image folders and TFDS it is endless: each host reads its share of the
+    files over and over, so that every host runs the steps `fit` is given
+    (`steps_per_epoch=num_train // global batch`) whatever its share of the
+    images that fail to decode; it is built through the strategy's
+    `distribute_datasets_from_function` when a strategy is given.  The digits
+    are one epoch per pass (`steps_per_epoch` equal to it is fine).
+    """
+
+    train: tf.data.Dataset | tf.distribute.DistributedDataset
+    test: tf.data.Dataset  # batches of (uint8 pixels, one-hot labels), every example
     calibration: tf.data.Dataset  # unaugmented training images, for int8 export
     num_classes: int
     class_names: list
-    num_train: int
+    num_train: int  # examples listed; the ones that fail to decode are in `skipped`
     num_test: int
+    # Images skipped because they failed to read or decode (`.count`, `.paths`), filled as the
+    # pipelines meet them: read it after training.
+    skipped: vit_data.DecodeFailures = dataclasses.field(default_factory=vit_data.DecodeFailures)
 
 
-def load_data(config):
-    """The data set named by config.dataset: "digits", "tfds:NAME[:SPLIT]" or "folder:PATH"."""
+def load_data(config, strategy=None):
+    """The data set named by config.dataset: "digits", "tfds:NAME[:SPLIT]" or "folder:PATH".
+
+    With a `tf.distribute.Strategy`, the training data of image sets is made by
+    `strategy.distribute_datasets_from_function`: each input pipeline (a host)
+    reads and decodes its own files and batches `config.batch_size /
+    replicas` per replica.  The digits, in memory, stay one `tf.data.Dataset`
+    that the strategy splits by example.
+    """
     name = config.dataset
     if name == "digits":
         digits = vit_data.load_digits(
@@ -109,6 +142,18 @@ def load_data(config):
             f"Unknown dataset {name!r}. Expected 'digits', 'tfds:NAME[:SPLIT]' or 'folder:PATH'."
         )
     augment = config.augment
+    # One input pipeline's training data (given an InputContext): its own files, endless.
+    training_data = functools.partial(
+        vit_data.training_pipeline,
+        source,
+        config.image_size,
+        config.batch_size,
+        seed=config.seed,
+        crop=augment.inception_crop,
+        flip=augment.flip,
+        randaugment=augment.randaugment,
+        cache=config.cache,
+    )
     pipeline = functools.partial(
         vit_data.image_pipeline,
         image_size=config.image_size,
@@ -116,24 +161,43 @@ def load_data(config):
         crop_fraction=config.crop_fraction,
         cache=config.cache,
     )
+    if strategy is not None:
+        train = strategy.distribute_datasets_from_function(training_data)
+    else:
+        train = training_data(jax_input_context())
     return Data(
-        train=pipeline(
-            source.train,
-            batch_size=config.batch_size,
-            training=True,
-            seed=config.seed,
-            crop=augment.inception_crop,
-            flip=augment.flip,
-            randaugment=augment.randaugment,
-            mixup_alpha=augment.mixup_alpha,
-            cutmix_alpha=augment.cutmix_alpha,
-        ),
+        train=train,
         test=pipeline(source.test, batch_size=config.batch_size, training=False),
         calibration=pipeline(source.train, batch_size=1, training=False).map(lambda x, y: x[0]),
         num_classes=source.num_classes,
         class_names=source.class_names,
         num_train=source.num_train,
         num_test=source.num_test,
+        skipped=source.skipped,
+    )
+
+
+def jax_input_context():
+    """This host's `tf.distribute.InputContext` in a multi-host JAX job whose hosts each hold whole
+    model replicas, with Keras' own sharding of the input turned off; None otherwise.
+
+    Keras' distribution shards a multi-host input by example (each host reads
+    and decodes everything and keeps its share); with this context each host
+    reads its own files and batches global batch / hosts.  Where a model
+    replica spans hosts, those hosts need the same examples, and Keras' sharding
+    stays.
+    """
+    distribution = keras.distribution.distribution() if keras.backend.backend() == "jax" else None
+    if distribution is None:
+        return None
+    import jax
+
+    hosts = jax.process_count()
+    if hosts == 1 or distribution.num_model_replicas % hosts:
+        return None
+    distribution.auto_shard_dataset = False
+    return tf.distribute.InputContext(
+        num_input_pipelines=hosts, input_pipeline_id=jax.process_index(), num_replicas_in_sync=hosts
     )
 
 
@@ -188,21 +252,51 @@ def export_model(model, kind, workdir, dataset):
     )
 
 
-def train_and_evaluate(config, workdir, strategy=None):
+def _process_index():
+    """This process's index among the hosts of a multi-host JAX job; 0 otherwise."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.process_index()
+    return 0
+
+
+def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
     """Runs the whole job; returns the metrics it writes to `workdir`.
 
-    `strategy` defaults to one device; the batch size in `config` is global.
+    TensorFlow backend: `strategy` is a `tf.distribute.Strategy`, by default
+    one device.  Other backends: no strategy; on JAX the `keras.distribution`
+    in force (`keras.distribution.set_distribution`) spreads the work.  The
+    batch size in `config` is global.  `callbacks` are added to `fit`'s own.
     """
-    strategy = strategy or get_strategy("one_device")
-    if not is_chief(strategy):
+    if keras.backend.backend() == "tensorflow":
+        strategy = strategy or get_strategy("one_device")
+        scope, chief = strategy.scope(), is_chief(strategy)
+        worker = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0)
+    elif strategy is not None:
+        raise ValueError(
+            f"A tf.distribute strategy needs Keras' TensorFlow backend; this is {keras.backend.backend()!r}. "
+            "On JAX, set a keras.distribution (keras_vit.parallel.make_distribution). "
+            f"Received: strategy={strategy!r}"
+        )
+    else:
+        worker = _process_index()
+        scope, chief = contextlib.nullcontext(), worker == 0
+    if not chief:
         # Every worker runs the same program; only the chief writes the job's
         # outputs, the others write theirs apart (Keras's BackupAndRestore
         # handles its own files per worker).
-        workdir = tf.io.gfile.join(workdir, "workers", str(strategy.cluster_resolver.task_id))
+        workdir = tf.io.gfile.join(workdir, "workers", str(worker))
     exports = export_kinds(config)
+    if exports and keras.backend.backend() != "tensorflow":
+        raise ValueError(
+            f"config.export={config.export!r} needs Keras' TensorFlow backend (exports are TensorFlow "
+            f"graphs); this is {keras.backend.backend()!r}. Export the saved model.keras from a "
+            "TensorFlow process: python -m experiments.export."
+        )
 
     # === Data ===
-    dataset = load_data(config)
+    dataset = load_data(config, strategy)
     train_ds, test_ds = dataset.train, dataset.test
     steps_per_epoch = dataset.num_train // config.batch_size
     if steps_per_epoch < 1:
@@ -223,7 +317,7 @@ def train_and_evaluate(config, workdir, strategy=None):
     keras.mixed_precision.set_global_policy(config.precision)
 
     # === Model, under the strategy's scope ===
-    with strategy.scope():
+    with scope:
         model = build_model(config, dataset.num_classes)
         if config.pretrained:
             # An original .npz checkpoint; a head of another size stays zero for this task.
@@ -238,9 +332,18 @@ def train_and_evaluate(config, workdir, strategy=None):
                 from_logits=True, label_smoothing=config.label_smoothing
             ),
             metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")],
+            # Under the strategy's scope: "auto" follows the strategy (see resolve_jit_compile).
             jit_compile=keras_vit.training.resolve_jit_compile(config.jit_compile, config.precision),
             # Several steps per call: what keeps a TPU busy.
             steps_per_execution=config.steps_per_execution,
+        )
+        # MixUp / CutMix inside the compiled step: uint8 batches cross to the device, mixed there.
+        keras_vit.enable_batch_mixing(
+            model,
+            mixup_alpha=config.augment.mixup_alpha,
+            cutmix_alpha=config.augment.cutmix_alpha,
+            switch_prob=config.augment.switch_prob,
+            seed=config.seed,
         )
 
     # === Train ===
@@ -248,6 +351,8 @@ def train_and_evaluate(config, workdir, strategy=None):
     history = model.fit(
         train_ds,
         epochs=config.epochs,
+        # Image sets repeat: each host runs the same steps whatever its share of skipped files.
+        steps_per_epoch=steps_per_epoch,
         validation_data=test_ds,
         callbacks=[
             # The state of an interrupted run: a killed run started again with the
@@ -262,6 +367,7 @@ def train_and_evaluate(config, workdir, strategy=None):
             training.CSVLog(tf.io.gfile.join(workdir, "log.csv")),
             keras.callbacks.TensorBoard(tf.io.gfile.join(workdir, "tensorboard")),
             throughput,
+            *callbacks,
         ],
         verbose=config.verbose,  # 1: a progress bar, 2: a line per epoch (logs)
     )
@@ -281,6 +387,9 @@ def train_and_evaluate(config, workdir, strategy=None):
         "train_examples": dataset.num_train,
         "test_examples": dataset.num_test,
         "parameters": int(model.count_params()),
+        # Images that failed to read or decode, skipped (this host's share of the files).
+        "skipped_files": dataset.skipped.count,
+        "skipped_examples": dataset.skipped.paths[:100],
     }
     # Did the position embeddings learn the grid structure of the paper's Figure 7?
     metrics.update(visualize.neighbour_similarity(visualize.position_embedding_similarity(model)))
@@ -298,12 +407,57 @@ def train_and_evaluate(config, workdir, strategy=None):
     return metrics
 
 
+def vit_config(config):
+    """The `ViTConfig` the job's model will have (its variant and the overrides in config.model)."""
+    from keras_vit.variants import ViTConfig, parse_variant
+
+    fields = set(ViTConfig.__dataclass_fields__)
+    model = dict(config.model)
+    return parse_variant(model.pop("variant"), **{k: v for k, v in model.items() if k in fields})
+
+
+def distribute_on_jax(config):
+    """Sets the keras.distribution of --distribution / --mesh_shape (Keras' JAX backend)."""
+    if _MULTI_HOST.value:
+        # Reads the coordinator from the environment (KERAS_DISTRIBUTION_* or the TPU pod's own).
+        keras.distribution.initialize()
+    kind = _DISTRIBUTION.value
+    if kind == "auto":
+        kind = "data_parallel" if len(keras.distribution.list_devices()) > 1 else "none"
+    if kind == "none":
+        logging.info("Distribution: none (one device)")
+        return
+    mesh_shape = tuple(int(n) for n in _MESH_SHAPE.value) if _MESH_SHAPE.value else None
+    distribution = parallel.make_distribution(
+        kind, mesh_shape, batch_size=config.batch_size, config=vit_config(config)
+    )
+    keras.distribution.set_distribution(distribution)
+    logging.info(
+        "Distribution: %s over a %s mesh %s", type(distribution).__name__,
+        dict(zip(distribution.device_mesh.axis_names, distribution.device_mesh.shape)),
+        "of this host's devices" if not _MULTI_HOST.value else "across hosts",
+    )
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     workdir = _WORKDIR.value
-    strategy = get_strategy(_STRATEGY.value, _TPU.value)
-    logging.info("Strategy %s with %d replica(s)", type(strategy).__name__, strategy.num_replicas_in_sync)
+    if keras.backend.backend() == "jax":
+        if _STRATEGY.value != "auto" or _TPU.value:
+            raise app.UsageError("--strategy and --tpu are for the TensorFlow backend; on JAX use --distribution.")
+        distribute_on_jax(_CONFIG.value)
+        strategy = None
+    elif keras.backend.backend() == "tensorflow":
+        if _DISTRIBUTION.value not in ("auto", "none") or _MESH_SHAPE.value or _MULTI_HOST.value:
+            raise app.UsageError(
+                "--distribution, --mesh_shape and --multi_host are for Keras' JAX backend (KERAS_BACKEND=jax); "
+                "on TensorFlow use --strategy."
+            )
+        # First: a TPU is connected before anything is built or traced. It logs its choice.
+        strategy = get_strategy(_STRATEGY.value, _TPU.value)
+    else:
+        strategy = None
     metrics = train_and_evaluate(_CONFIG.value, workdir, strategy)
     logging.info("Metrics: %s", metrics)
     print(json.dumps(metrics, indent=2))

@@ -352,7 +352,7 @@ def test_a_killed_run_resumes_from_its_backup(tmp_path):
     import time
 
     args = [sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}", "--config.epochs=6",
-            "--config.visualize=False", "--config.model.num_layers=1", "--config.jit_compile=off"]
+            "--config.visualize=False", "--config.model.num_layers=1"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
@@ -380,23 +380,54 @@ def test_a_killed_run_resumes_from_its_backup(tmp_path):
 
 MIRRORED_SCRIPT = """
 import json, sys
+import numpy as np
 import tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
 from experiments import train
 from experiments.configs import digits
 from keras_vit.distribute import get_strategy
+
+class ReplicasInSync(keras.callbacks.Callback):
+    def on_train_end(self, logs=None):
+        gaps = [float(np.max(np.abs(v.value.values[0].numpy() - v.value.values[-1].numpy())))
+                for v in self.model.weights if hasattr(v.value, "values")]
+        print("SYNC " + json.dumps({"jit_compile": self.model.jit_compile, "mirrored": len(gaps),
+                                    "weights": len(self.model.weights), "largest_gap": max(gaps, default=0.0)}))
+
 config = digits.get_config()
-config.epochs, config.visualize, config.max_shift = 3, False, 0
-config.model.dropout_rate = config.model.stochastic_depth_rate = 0.0  # no per-replica randomness
-# XLA cannot compile a step whose variables live on two logical CPU devices
-# (tensorflow.org/xla/known_issues); on GPUs and TPUs each replica compiles alone.
-config.jit_compile = "off"
-config.grad_clip_norm = float(sys.argv[3])
+config.epochs, config.visualize = int(sys.argv[3]), False
+if sys.argv[4] == "compare":
+    config.max_shift = 0
+    config.model.dropout_rate = config.model.stochastic_depth_rate = 0.0  # no per-replica randomness
+    config.grad_clip_norm = 0.05
 strategy = get_strategy(sys.argv[1])
-train.train_and_evaluate(config, sys.argv[2], strategy)
+train.train_and_evaluate(config, sys.argv[2], strategy, callbacks=[ReplicasInSync()])
 print(json.dumps({"replicas": strategy.num_replicas_in_sync}))
 """
+
+
+def _run_mirrored(name, workdir, epochs, mode):
+    stdout = run_module_script(MIRRORED_SCRIPT, name, str(workdir), str(epochs), mode)
+    lines = stdout.strip().splitlines()
+    sync = json.loads(next(line for line in lines if line.startswith("SYNC "))[5:])
+    return json.loads(lines[-1])["replicas"], sync
+
+
+@pytest.mark.slow
+def test_mirrored_over_two_cpu_devices_with_the_default_config(tmp_path):
+    """The shipped digits config, XLA as `jit_compile="auto"` picks it: it trains, and both
+    replicas end with the same weights."""
+    replicas, sync = _run_mirrored("mirrored", tmp_path, 2, "defaults")
+    assert replicas == 2
+    assert sync["jit_compile"] is False  # Keras' rule under tf.distribute.
+    assert sync["mirrored"] == sync["weights"] > 0
+    assert sync["largest_gap"] == 0.0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["steps"] == 2 * (1437 // 64)
+    loss = json.loads((tmp_path / "history.json").read_text())["loss"]
+    assert loss[1] < loss[0], loss  # It learns (the warm-up lasts 5 epochs).
 
 
 @pytest.mark.slow
@@ -404,11 +435,12 @@ def test_mirrored_over_two_cpu_devices_matches_one_device(tmp_path):
     """Also with gradient clipping active (norm 0.05): the global gradient is clipped, not each replica's."""
     losses = {}
     for name in ("one_device", "mirrored"):
-        stdout = run_module_script(MIRRORED_SCRIPT, name, str(tmp_path / name), "0.05")
-        replicas = json.loads(stdout.strip().splitlines()[-1])["replicas"]
+        replicas, sync = _run_mirrored(name, tmp_path / name, 1, "compare")
         assert replicas == (2 if name == "mirrored" else 1)
+        assert sync["jit_compile"] is (name == "one_device")  # float32 training on one device: XLA.
         losses[name] = json.loads((tmp_path / name / "history.json").read_text())["loss"]
-    # The same global batches and the same mean gradient, summed in another order.
+    # The same global batches and the same mean gradient, summed in another order (and, as
+    # "auto" picks, compiled by XLA on one device but not under MirroredStrategy).
     np.testing.assert_allclose(losses["mirrored"], losses["one_device"], rtol=2e-3)
 
 
@@ -434,7 +466,8 @@ def test_unknown_strategy_and_unresolvable_tpu():
 
 @pytest.mark.slow
 def test_training_on_an_image_folder_with_a_remote_workdir(tmp_path):
-    """folder: data with a corrupt file, and a workdir on TensorFlow's ram:// file system (as gs://)."""
+    """folder: data with a corrupt file, MixUp in the step, and a workdir on TensorFlow's ram:// file
+    system (as gs://)."""
     from tests.test_data import write_folder
 
     root = write_folder(tmp_path / "images", per_class=8, corrupt=["cat/broken.png"])
@@ -457,7 +490,60 @@ print(json.dumps({{n: tf.io.gfile.exists("ram://run/" + n) for n in names + [met
     stdout = run_module_script(script)
     lines = stdout.strip().splitlines()
     metrics, exists = json.loads(lines[-2]), json.loads(lines[-1])
-    assert metrics["train_examples"] + metrics["test_examples"] == 24  # 25 files, one skipped
+    # 25 files listed by name; the corrupt one is skipped when the pipeline decodes it, and named.
+    assert metrics["train_examples"] + metrics["test_examples"] == 25
+    assert metrics["skipped_files"] == 1 and metrics["skipped_examples"] == [f"{root}/cat/broken.png"]
     assert metrics["steps"] == 2 * (metrics["train_examples"] // 4)
     assert metrics["export_tflite_int8"] == "ram://run/export/tflite_int8.tflite"
     assert all(exists.values()) and len(exists) == 7, exists
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, expected", [
+    ((), "DataParallel over a {'batch': 8} mesh"),  # The default: every device, data parallel.
+    (("--distribution=model_parallel", "--mesh_shape=2,4"), "ModelParallel over a {'batch': 2, 'model': 4} mesh"),
+])
+def test_the_training_command_on_jax_spreads_over_every_device(tmp_path, flags, expected):
+    """KERAS_BACKEND=jax with 8 (simulated) devices: the job trains under keras.distribution and says so."""
+    env = dict(
+        os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}", "--config.epochs=1",
+         "--config.visualize=False", "--config.model.num_layers=1", *flags],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert f"Distribution: {expected}" in output, output[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["steps"] == 1437 // 64 and np.isfinite(metrics["test_loss"])
+
+
+JAX_HOSTS_SCRIPT = """
+import json
+import jax, keras
+from experiments import train
+from keras_vit import parallel
+jax.process_count, jax.process_index = (lambda: 2), (lambda: 1)  # Host 1 of 2, simulated.
+seen = {}
+for kind, mesh in (("data_parallel", (2,)), ("model_parallel", (1, 2))):
+    distribution = parallel.make_distribution(kind, mesh)
+    keras.distribution.set_distribution(distribution)
+    context = train.jax_input_context()
+    seen[kind] = context and [context.num_input_pipelines, context.input_pipeline_id,
+                              context.get_per_replica_batch_size(64), distribution.auto_shard_dataset]
+print(json.dumps(seen))
+"""
+
+
+def test_jax_hosts_read_their_own_files_when_each_holds_whole_replicas():
+    """Two hosts (simulated) with a replica each read their own files and batch 64 / 2; where one
+    model replica spans both, Keras' sharding by example stays."""
+    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    result = subprocess.run([sys.executable, "-c", JAX_HOSTS_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen == {"data_parallel": [2, 1, 32, False], "model_parallel": None}

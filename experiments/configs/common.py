@@ -22,7 +22,16 @@ def get_base_config():
     config.cache = False
     config.max_shift = 0  # digits only: random translation in pixels.
     config.augment = ml_collections.ConfigDict(
-        {"inception_crop": True, "flip": True, "randaugment": None, "mixup_alpha": 0.0, "cutmix_alpha": 0.0}
+        {
+            "inception_crop": True,
+            "flip": True,
+            "randaugment": None,  # (num_ops, magnitude)
+            # MixUp / CutMix, on the device inside the training step (keras_vit.enable_batch_mixing);
+            # with both, CutMix for a batch with probability switch_prob.
+            "mixup_alpha": 0.0,
+            "cutmix_alpha": 0.0,
+            "switch_prob": 0.5,
+        }
     )
 
     # === Model: build_vit's arguments ===
