@@ -96,15 +96,14 @@ def dense(x, kernel, bias=None, activation=None):
 
 def _check_qkv(qkv, num_heads):
     shape = tuple(qkv.shape)
-    if len(shape) == 4 and shape[2] == 3:
-        hidden = shape[3]
-    elif len(shape) == 3 and shape[2] is not None and shape[2] % 3 == 0:
-        hidden = shape[2] // 3
-    else:
+    stacked = len(shape) == 4 and shape[2] == 3
+    flat = len(shape) == 3 and shape[2] is not None and shape[2] % 3 == 0
+    if not (stacked or flat):
         raise ValueError(
             "`qkv` must have shape (batch, tokens, 3, hidden) or (batch, tokens, 3 * hidden). "
             f"Received: qkv.shape={shape}"
         )
+    hidden = reference.qkv_width(qkv)
     if hidden is None or hidden % num_heads:
         raise ValueError(
             f"The hidden width of `qkv` must be divisible by `num_heads`. Received: qkv.shape={shape} "

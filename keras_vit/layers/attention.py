@@ -99,10 +99,9 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         if not self.built:
             return super().load_own_variables(store)
         arrays = {key: store[key] for key in store.keys()}
-        # Keys are the variables' positions in the order Keras saves them.
-        variables = self._trainable_variables + self._non_trainable_variables
-        for variable in (self.qkv_kernel, self.qkv_bias):
-            key = str(next(i for i, v in enumerate(variables) if v is variable))
+        # Keras keys a layer's own variables by creation order, trainable ones first:
+        # `build` creates qkv_kernel first, then qkv_bias.
+        for key, variable in (("0", self.qkv_kernel), ("1", self.qkv_bias)):
             shape = tuple(variable.shape)
             flat = (*shape[:-2], shape[-2] * shape[-1])
             if key in arrays and tuple(arrays[key].shape) == flat:
