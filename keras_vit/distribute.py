@@ -97,18 +97,19 @@ def _auto_strategy(tpu):
     """(strategy, why it was chosen) for get_strategy("auto")."""
     if tpu or os.environ.get("TPU_NAME"):
         return _tpu_strategy(tpu), f"TPU {tpu or os.environ['TPU_NAME']!r} asked for"
-    if local_tpu_devices():
+    tpus = local_tpu_devices()
+    if tpus:
         # A Cloud TPU VM: its TPU is attached to this host. Failing to initialise it is an
         # error, not a reason to train on the host's CPU instead.
-        return _tpu_strategy("local"), f"{len(local_tpu_devices())} local TPU device(s) found"
+        return _tpu_strategy("local"), f"{len(tpus)} local TPU device(s) found"
     workers = _workers_in_tf_config()
     if workers > 1:
         return multi_worker_strategy(), f"TF_CONFIG names {workers} workers"
-    gpus = tf.config.list_logical_devices("GPU")
-    if len(gpus) > 1:
-        return tf.distribute.MirroredStrategy(), f"{len(gpus)} GPUs found"
-    device = gpus[0].name if gpus else "/cpu:0"
-    return tf.distribute.OneDeviceStrategy(device), f"no TPU, no cluster, {len(gpus)} GPU(s): {device}"
+    gpus = len(tf.config.list_logical_devices("GPU"))
+    if gpus > 1:
+        return _named_strategy("mirrored", tpu), f"{gpus} GPUs found"
+    strategy = _named_strategy("one_device", tpu)
+    return strategy, f"no TPU, no cluster, {gpus} GPU(s): {strategy.extended.worker_devices[0]}"
 
 
 def multi_worker_strategy():
