@@ -716,8 +716,6 @@ def input_benchmark(image_size, batch_size, repeats):
     with tempfile.TemporaryDirectory() as tmp:
         data = _DATA.value
         if data.startswith("tfds:"):
-            name, _, split = data[len("tfds:"):].partition(":")
-            source = vit_data.load_tfds(name, data_dir=_DATA_DIR.value or None, train_split=split or "train")
             what = data
         else:
             if not data:
@@ -726,7 +724,8 @@ def input_benchmark(image_size, batch_size, repeats):
                 what = f"{_SYNTHETIC_IMAGES.value} synthetic {_SYNTHETIC_SIZE.value} JPEGs"
             else:
                 what = f"folder {data}"
-            source = vit_data.load_folder(data, test_fraction=0.1)
+            data = f"folder:{data}"
+        source = vit_data.load_image_source(data, data_dir=_DATA_DIR.value or None, test_fraction=0.1)
         return input_rate(source, image_size, batch_size, randaugment, repeats, _INPUT_IMAGES.value, what)
 
 

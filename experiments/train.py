@@ -127,20 +127,17 @@ def load_data(config, strategy=None):
             num_test=len(digits.test),
         )
     kind, _, rest = name.partition(":")
-    if kind == "tfds" and rest:
-        tfds_name, _, split = rest.partition(":")
-        source = vit_data.load_tfds(
-            tfds_name,
-            data_dir=config.data_dir or None,
-            train_split=split or "train",
-            test_split=config.test_split or None,
-        )
-    elif kind == "folder" and rest:
-        source = vit_data.load_folder(rest, test_fraction=config.test_fraction, seed=config.seed)
-    else:
+    if kind not in ("tfds", "folder") or not rest:
         raise ValueError(
             f"Unknown dataset {name!r}. Expected 'digits', 'tfds:NAME[:SPLIT]' or 'folder:PATH'."
         )
+    source = vit_data.load_image_source(
+        name,
+        data_dir=config.data_dir or None,
+        test_split=config.test_split or None,
+        test_fraction=config.test_fraction,
+        seed=config.seed,
+    )
     augment = config.augment
     # One input pipeline's training data (given an InputContext): its own files, endless.
     training_data = functools.partial(

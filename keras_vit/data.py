@@ -381,6 +381,18 @@ def _list_class_folders(root):
     return classes, paths, labels
 
 
+def load_image_source(name, *, data_dir=None, test_split=None, test_fraction=0.2, seed=0):
+    """The `ImageSource` named "tfds:NAME[:SPLIT]" (`load_tfds`, SPLIT the training split, default
+    "train") or "folder:PATH" (`load_folder`)."""
+    kind, _, rest = str(name).partition(":")
+    if kind == "tfds" and rest:
+        tfds_name, _, split = rest.partition(":")
+        return load_tfds(tfds_name, data_dir=data_dir, train_split=split or "train", test_split=test_split)
+    if kind == "folder" and rest:
+        return load_folder(rest, test_fraction=test_fraction, seed=seed)
+    raise ValueError(f"Unknown image data set {name!r}. Expected 'tfds:NAME[:SPLIT]' or 'folder:PATH'.")
+
+
 def load_folder(root, *, test_fraction=0.2, seed=0):
     """An image folder: `root/<class>/*.jpg|png|...`, or `root/train/<class>/...` and `root/test/<class>/...`.
 
