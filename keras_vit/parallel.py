@@ -89,8 +89,8 @@ def check_model_parallel(model_or_config, device_mesh, model_axis=MODEL_AXIS):
     """
     size = _axis_size(device_mesh, model_axis)
     for heads, mlp_dim in _heads_and_mlp_dims(model_or_config):
-        if heads % size or mlp_dim % size:
-            fitting = [n for n in range(1, math.gcd(heads, mlp_dim) + 1) if heads % n == 0 and mlp_dim % n == 0]
+        if not _divides(size, heads, mlp_dim):
+            fitting = [n for n in range(1, math.gcd(heads, mlp_dim) + 1) if _divides(n, heads, mlp_dim)]
             raise ValueError(
                 f"The mesh axis {model_axis!r} of size {size} (mesh shape {tuple(device_mesh.shape)}) must "
                 f"divide the attention heads and the MLP width, so that each device holds whole heads and "
@@ -182,7 +182,12 @@ def _heads_and_mlp_dims(model_or_config):
 def _fits(config, model_axis_size):
     if config is None:
         return True
-    return all(heads % model_axis_size == 0 == mlp % model_axis_size for heads, mlp in _heads_and_mlp_dims(config))
+    return all(_divides(model_axis_size, heads, mlp) for heads, mlp in _heads_and_mlp_dims(config))
+
+
+def _divides(model_axis_size, heads, mlp_dim):
+    """Whether a model axis of that size gives each device whole heads and an equal share of the MLP."""
+    return heads % model_axis_size == 0 and mlp_dim % model_axis_size == 0
 
 
 def _check_mesh_shape(kind, mesh_shape, count, devices):
