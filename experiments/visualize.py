@@ -4,9 +4,10 @@ r"""Writes the figures of what a trained ViT learned, for one image.
         --image=path/to/image.png --out=runs/digits/figures
 
 The image (PNG, JPEG, BMP or GIF; local or gs://) is resized to the model's
-input size.  Writes `attention_rollout.png`, `head_attention.png`,
-`mean_attention_distance.png`, `position_similarity.png` and
-`embedding_filters.png` into --out.
+input size.  Writes `patch_grid.png` (the image as the sequence of patches
+the encoder reads), `attention_rollout.png`, `head_attention.png`,
+`mean_attention_distance.png`, `position_similarity.png` and (not for
+hybrids) `embedding_filters.png` into --out.
 """
 
 import keras

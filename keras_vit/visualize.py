@@ -1,5 +1,8 @@
 """What a ViT learned: attention maps, rollout, attention distance, embeddings.
 
+And what it reads: the image cut into the sequence of patches the encoder
+takes (paper Figure 1), by `patch_sequence` and `plot_patch_grid`.
+
 The computing functions return NumPy arrays; the `plot_*` functions draw them
 with matplotlib (no display needed) and are kept apart, so the numbers can be
 tested and reused without a figure.
@@ -9,18 +12,21 @@ own weights: no copy that could drift, no retraining.  They work for both
 classifiers ("token" and "gap") and for models whose weights were loaded from
 checkpoints.
 
-Paper: Dosovitskiy et al. 2020, Figure 7 (filters, position similarity, mean
-attention distance) and Figure 6 (attention maps by rollout, Abnar & Zuidema
-2020, "Quantifying Attention Flow in Transformers").
+Paper: Dosovitskiy et al. 2020, Figure 1 (the patch sequence), Figure 7
+(filters, position similarity, mean attention distance) and Figure 6
+(attention maps by rollout, Abnar & Zuidema 2020, "Quantifying Attention Flow
+in Transformers").
 """
 
 import math
+import typing
 
 import keras
 import numpy as np
 
 from keras_vit.layers import PatchEncoder, TransformerBlock
 from keras_vit.resnet import ResNetStem
+from keras_vit.variants import to_pair
 
 HEAD_FUSIONS = ("mean", "max", "min")
 
@@ -293,6 +299,106 @@ def patch_embedding_filters(model, num_components=28):
     return components[:num_components].reshape(num_components, ph, pw, channels)
 
 
+# === The patch sequence ===
+
+
+class PatchSequence(typing.NamedTuple):
+    """An image as the sequence of patches the encoder reads (paper Figure 1).
+
+    Fields:
+        patches: [num_patches, patch_h, patch_w, channels], the image's pixels
+            (as given, before any rescaling inside the model), in the order of
+            the encoder's tokens: row-major over the grid.
+        boxes: int [num_patches, 4], each patch's (top, left, bottom, right)
+            in pixels, bottom and right exclusive.
+        positions: int [num_patches], each patch's index in the encoder's
+            token sequence (the row of the position embedding it receives):
+            1 ... N after the class token at 0, or 0 ... N-1 without one.
+        grid_size: (rows, columns) of the patch grid.
+        patch_size: (height, width) of a patch in input pixels (for hybrids,
+            the patch size times the ResNet stem's stride).
+        class_token: the sequence starts with a class token (position 0).
+    """
+
+    patches: np.ndarray
+    boxes: np.ndarray
+    positions: np.ndarray
+    grid_size: tuple
+    patch_size: tuple
+    class_token: bool
+
+
+def patch_sequence(model_or_patch_size, image, *, class_token=None):
+    """Cuts one image into the patches a ViT reads, in the encoder's order.
+
+    Args:
+        model_or_patch_size: a model from `build_vit` (its patch size, grid
+            and classifier are read from it; for a hybrid a patch is one cell
+            of the ResNet feature map, patch size x stem stride pixels wide),
+            or a patch size (int or (height, width)) in pixels.
+        image: (H, W, C) or (H, W), or a batch of one.  With a model, its
+            input size; with a patch size, any size the patch divides.
+        class_token: with a patch size, whether the sequence has a class
+            token (default True, the paper's classifier).  With a model it is
+            the model's; a different value is refused.
+
+    Returns:
+        A `PatchSequence`.  Its `patches`, flattened, equal the rows of
+        `keras_vit.layers.Patches(patch_size)(image)`: the order in which the
+        model embeds them.
+
+    >>> seq = patch_sequence((8, 16), np.zeros((16, 32, 3)), class_token=False)
+    >>> seq.grid_size, seq.patches.shape, seq.boxes[1].tolist(), seq.positions.tolist()
+    ((2, 2), (4, 8, 16, 3), [0, 16, 8, 32], [0, 1, 2, 3])
+    """
+    image = np.asarray(image)
+    if isinstance(model_or_patch_size, keras.Model):
+        model = model_or_patch_size
+        image = _check_images(model, image if image.ndim != 2 else image[..., None])[0]
+        grid_size, patch_size, has_class_token = _grid(model)
+        if class_token is not None and bool(class_token) != has_class_token:
+            raise ValueError(
+                f"Model {model.name!r} {'has' if has_class_token else 'has no'} class token. "
+                f"Received: class_token={class_token!r}"
+            )
+        covered = (grid_size[0] * patch_size[0], grid_size[1] * patch_size[1])
+        if covered != image.shape[:2]:
+            # A hybrid whose input size its ResNet stride does not divide: the
+            # feature map's last cells reach past the image.
+            raise ValueError(
+                f"Model {model.name!r}'s {grid_size} grid of {patch_size} pixel patches covers "
+                f"{covered} pixels, not its input size {image.shape[:2]}: its patches are not "
+                "pixel blocks of the image."
+            )
+    else:
+        patch_size = to_pair(model_or_patch_size, "patch_size")
+        has_class_token = True if class_token is None else bool(class_token)
+        if image.ndim == 4 and len(image) == 1:
+            image = image[0]
+        if image.ndim == 2:
+            image = image[..., None]
+        if image.ndim != 3:
+            raise ValueError(
+                "Expected one image of shape (height, width, channels) or (height, width). "
+                f"Received: shape {image.shape}"
+            )
+        height, width = image.shape[:2]
+        if height % patch_size[0] or width % patch_size[1]:
+            raise ValueError(
+                f"The image size must be divisible by the patch size: expected a height that is a "
+                f"multiple of {patch_size[0]} and a width that is a multiple of {patch_size[1]}. "
+                f"Received: image size (height, width)=({height}, {width}), patch_size={patch_size}"
+            )
+        grid_size = (height // patch_size[0], width // patch_size[1])
+    (gh, gw), (ph, pw) = grid_size, patch_size
+    rows, cols = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
+    tops, lefts = rows.ravel() * ph, cols.ravel() * pw
+    boxes = np.stack([tops, lefts, tops + ph, lefts + pw], axis=1)
+    patches = np.stack([image[t:b, l:r] for t, l, b, r in boxes])
+    positions = np.arange(gh * gw) + int(has_class_token)
+    return PatchSequence(patches, boxes, positions, tuple(grid_size), tuple(patch_size), has_class_token)
+
+
 # === Plots ===
 
 
@@ -410,8 +516,106 @@ def plot_filters(filters, path):
     return _save(fig, path)
 
 
+def _fitting_fontsize(width_in, height_in, characters, largest=9.0):
+    """The font size (points) at which `characters` characters fit in a box of these inches."""
+    # A digit is about 0.6 em wide; one more em leaves room for the label's padding.
+    return min(largest, 72 * width_in / (0.6 * characters + 1.0), 72 * height_in * 0.7)
+
+
+def plot_patch_grid(image, sequence, path, *, columns=None):
+    """The image with its patch grid, and its patches laid out in order (paper Figure 1).
+
+    Top: the image, the grid drawn over it and each cell labelled with its
+    position in the encoder's sequence.  Below: the sequence itself, read
+    left to right and top to bottom, each patch under its position index;
+    with a class token, a "[class]" slot at position 0 comes first.
+
+    Args:
+        image: the image `sequence` was cut from.
+        sequence: a `PatchSequence` from `patch_sequence`.
+        path: where the PNG goes (local or gs://).
+        columns: slots per row of the sequence (default: all, at most 16).
+    """
+    plt = _pyplot()
+    shown = _display_image(image)
+    height, width = shown.shape[:2]
+    (gh, gw), (ph, pw) = sequence.grid_size, sequence.patch_size
+    if (gh * ph, gw * pw) != (height, width):
+        raise ValueError(
+            f"The sequence's {sequence.grid_size} grid of {sequence.patch_size} pixel patches does not "
+            f"cover the image. Received: image of height and width {(height, width)}"
+        )
+    count = len(sequence.positions) + sequence.class_token
+    columns = min(count, 16) if columns is None else columns
+    if not isinstance(columns, int) or columns < 1:
+        raise ValueError(f"`columns` must be a positive integer. Received: columns={columns!r}")
+    seq_rows = math.ceil(count / columns)
+    # The sequence in units of one patch width: each slot is a patch under a label band.
+    aspect, gap, band = ph / pw, 0.2, 0.5
+    slot_w, slot_h = 1 + gap, aspect + band + gap
+    fig_w = min(max(columns * 0.6, 4.0), 10.0)
+    image_w = min(fig_w * 0.6, 4.0 * width / height)
+    image_h = image_w * height / width
+    seq_h = fig_w * seq_rows * slot_h / (columns * slot_w)
+    fig = plt.figure(figsize=(fig_w, image_h + seq_h + 1.0))
+    grid_ax, seq_ax = fig.subplots(2, 1, gridspec_kw={"height_ratios": [image_h, seq_h]})
+
+    digits = len(str(int(sequence.positions[-1])))
+    grid_ax.imshow(shown, cmap="gray", interpolation="nearest", extent=(0, width, height, 0))
+    for x in range(0, width + 1, pw):
+        grid_ax.axvline(x, color="white", linewidth=1)
+    for y in range(0, height + 1, ph):
+        grid_ax.axhline(y, color="white", linewidth=1)
+    fontsize = _fitting_fontsize(image_w / gw, image_h / gh, digits)
+    if fontsize >= 4:  # Smaller labels are unreadable; the sequence below carries them.
+        for (top, left, bottom, right), position in zip(sequence.boxes, sequence.positions):
+            grid_ax.text(
+                (left + right) / 2, (top + bottom) / 2, str(position), color="white", fontsize=fontsize,
+                ha="center", va="center", bbox={"facecolor": "black", "alpha": 0.4, "pad": 0.5, "linewidth": 0},
+            )
+    grid_ax.set_title(f"{gh}x{gw} patches of {ph}x{pw} pixels", fontsize=10)
+    grid_ax.axis("off")
+
+    cmap = "gray" if shown.ndim == 2 else None
+    label_size = _fitting_fontsize(fig_w / columns, band * fig_w / (columns * slot_w), digits)
+    # Patches are cut from the displayed image, so they share its scaling; None is the class token.
+    crops = [shown[top:bottom, left:right] for top, left, bottom, right in sequence.boxes]
+    slots = list(zip(sequence.positions, crops))
+    if sequence.class_token:
+        slots.insert(0, (0, None))
+    for k, (position, crop) in enumerate(slots):
+        left, top = (k % columns) * slot_w, (k // columns) * slot_h + band
+        if crop is None:
+            seq_ax.add_patch(
+                plt.Rectangle((left, top), 1, aspect, facecolor="#d9c8ec", edgecolor="#6a3d9a", linewidth=1)
+            )
+            seq_ax.text(
+                left + 0.5, top + aspect / 2, "[class]", ha="center", va="center",
+                fontsize=_fitting_fontsize(fig_w / columns, aspect * fig_w / (columns * slot_w), 7, 8.0),
+            )
+        else:
+            seq_ax.imshow(
+                crop, cmap=cmap, vmin=0, vmax=1, interpolation="nearest", extent=(left, left + 1, top + aspect, top)
+            )
+        seq_ax.text(left + 0.5, top - 0.05, str(position), ha="center", va="bottom", fontsize=label_size)
+    seq_ax.set_xlim(-gap / 2, columns * slot_w - gap / 2)
+    seq_ax.set_ylim(seq_rows * slot_h, 0)
+    seq_ax.set_aspect("equal")
+    seq_ax.set_title("the sequence the encoder reads (position index above each patch)", fontsize=10)
+    seq_ax.axis("off")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 def write_figures(model, image, out_dir, *, prefix=""):
-    """Writes every figure for one image into `out_dir`; returns the paths."""
+    """Writes every figure for one image into `out_dir`; returns the paths.
+
+    The files (each name after `prefix`): `patch_grid.png` (the image as the
+    sequence of patches the encoder reads), `attention_rollout.png`,
+    `head_attention.png`, `mean_attention_distance.png`,
+    `position_similarity.png` and, except for hybrids, whose embedding acts
+    on ResNet features rather than pixels, `embedding_filters.png`.
+    """
     import tensorflow as tf
 
     tf.io.gfile.makedirs(str(out_dir))
@@ -421,6 +625,7 @@ def write_figures(model, image, out_dir, *, prefix=""):
     join = lambda name: f"{str(out_dir).rstrip('/')}/{prefix}{name}"  # noqa: E731
     height, width = image.shape[1:3]
     paths = [
+        plot_patch_grid(image[0], patch_sequence(model, image), join("patch_grid.png")),
         plot_attention_rollout(image[0], attention_rollout(model, image)[0], join("attention_rollout.png")),
         plot_head_attention(image[0], attentions[-1, 0], grid_size, has_class_token, join("head_attention.png")),
         plot_mean_distance(

@@ -205,6 +205,7 @@ def test_figures_are_written_as_png_files(tmp_path):
     assert names == sorted(
         "x_" + n
         for n in [
+            "patch_grid.png",
             "attention_rollout.png",
             "head_attention.png",
             "mean_attention_distance.png",
@@ -235,4 +236,101 @@ def test_hybrid_models_measure_distance_in_input_pixels(tmp_path):
     )
     with pytest.raises(ValueError, match="hybrid"):
         visualize.patch_embedding_filters(model)
-    assert len(visualize.write_figures(model, images[0], tmp_path)) == 4
+    sequence = visualize.patch_sequence(model, images[0])
+    assert sequence.grid_size == (2, 2) and sequence.patch_size == (32, 32)  # a feature-map cell in pixels
+    assert sequence.boxes.tolist() == [[0, 0, 32, 32], [0, 32, 32, 64], [32, 0, 64, 32], [32, 32, 64, 64]]
+    assert sequence.positions.tolist() == [1, 2, 3, 4]
+    paths = visualize.write_figures(model, images[0], tmp_path)
+    assert len(paths) == 5 and paths[0].endswith("/patch_grid.png")
+
+
+# === The patch sequence ===
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+@pytest.mark.parametrize("patch_size", [16, (8, 16)])
+def test_patch_sequence_is_the_order_the_model_embeds(classifier, patch_size):
+    import keras
+
+    height, width = 48, 32
+    model = small_vit(image_size=(height, width), patch_size=patch_size, classifier=classifier)
+    image = random_images((height, width, 3)) / 127.5 - 1.0
+    sequence = visualize.patch_sequence(model, image)
+    ph, pw = (patch_size, patch_size) if isinstance(patch_size, int) else patch_size
+    gh, gw = height // ph, width // pw
+    count = gh * gw
+    class_token = classifier == "token"
+    assert sequence.grid_size == (gh, gw) and sequence.patch_size == (ph, pw)
+    assert sequence.class_token == class_token
+    assert sequence.patches.shape == (count, ph, pw, 3)
+    # The same pixels, in the same order, as the library's own patch extraction.
+    patches = keras.ops.convert_to_numpy(keras_vit.layers.Patches(patch_size)(image[None]))[0]
+    np.testing.assert_array_equal(sequence.patches.reshape(count, -1), patches)
+    # And as the model's patch encoder (its conv projection): token k + class token is patch k embedded.
+    encoder = model.get_layer("patch_encoder")
+    tokens = keras.ops.convert_to_numpy(encoder(image[None]))[0].astype(np.float64)
+    tokens -= encoder.position_embedding.numpy()[0]
+    kernel = encoder.kernel.numpy().astype(np.float64).reshape(-1, tokens.shape[-1])
+    expected = sequence.patches.reshape(count, -1).astype(np.float64) @ kernel + encoder.bias.numpy()
+    np.testing.assert_allclose(tokens[int(class_token):], expected, atol=1e-4)
+    # Positions index the position embedding's rows; the class token holds row 0.
+    assert sequence.positions.tolist() == list(range(int(class_token), count + int(class_token)))
+    assert encoder.position_embedding.shape[1] == count + int(class_token)
+    # The boxes tile the image without overlap, row-major, each holding its patch's pixels.
+    covered = np.zeros((height, width), int)
+    for (top, left, bottom, right), patch in zip(sequence.boxes, sequence.patches):
+        assert (bottom - top, right - left) == (ph, pw)
+        covered[top:bottom, left:right] += 1
+        np.testing.assert_array_equal(image[top:bottom, left:right], patch)
+    np.testing.assert_array_equal(covered, 1)
+    assert sequence.boxes[1].tolist() == ([0, pw, ph, 2 * pw] if gw > 1 else [ph, 0, 2 * ph, pw])
+
+
+def test_patch_sequence_from_a_patch_size():
+    image = random_images((12, 8))  # grayscale, no channel axis
+    sequence = visualize.patch_sequence((4, 8), image)
+    assert sequence.class_token and sequence.positions.tolist() == [1, 2, 3]
+    assert sequence.patches.shape == (3, 4, 8, 1)
+    np.testing.assert_array_equal(sequence.patches[2, ..., 0], image[8:12])
+    gap = visualize.patch_sequence(4, image[None, ..., None], class_token=False)
+    assert gap.grid_size == (3, 2) and gap.positions.tolist() == list(range(6))
+
+
+def test_patch_sequence_errors():
+    with pytest.raises(ValueError, match=r"multiple of 16.*multiple of 16.*\(50, 32\), patch_size=\(16, 16\)"):
+        visualize.patch_sequence(16, np.zeros((50, 32, 3)))
+    with pytest.raises(ValueError, match=r"multiple of 8 and a width that is a multiple of 5.*\(16, 12\)"):
+        visualize.patch_sequence((8, 5), np.zeros((16, 12, 3)))
+    with pytest.raises(ValueError, match="patch_size=0"):
+        visualize.patch_sequence(0, np.zeros((16, 16, 3)))
+    with pytest.raises(ValueError, match=r"shape \(2, 16, 16, 3\)"):
+        visualize.patch_sequence(8, np.zeros((2, 16, 16, 3)))
+    model = small_vit(classifier="gap")
+    with pytest.raises(ValueError, match="has no class token.*class_token=True"):
+        visualize.patch_sequence(model, np.zeros((8, 12, 3)), class_token=True)
+    with pytest.raises(ValueError, match=r"\(batch, 8, 12, 3\).*\(1, 8, 16, 3\)"):
+        visualize.patch_sequence(model, np.zeros((8, 16, 3)))
+
+
+@pytest.mark.parametrize("shape, patch_size, class_token", [((48, 32, 3), (8, 16), True), ((16, 16, 1), 2, False)])
+def test_patch_grid_figure(tmp_path, shape, patch_size, class_token):
+    import matplotlib.image
+
+    image = random_images(shape)
+    sequence = visualize.patch_sequence(patch_size, image, class_token=class_token)
+    path = visualize.plot_patch_grid(image, sequence, tmp_path / "grid.png")
+    pixels = matplotlib.image.imread(path)
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+    assert png_size(path) == pixels.shape[1::-1]
+    assert pixels.std() > 0.01  # Something was drawn.
+    with pytest.raises(ValueError, match="columns=0"):
+        visualize.plot_patch_grid(image, sequence, tmp_path / "x.png", columns=0)
+    with pytest.raises(ValueError, match=r"does not cover.*\(32, 48\)"):
+        visualize.plot_patch_grid(np.zeros((32, 48, 3)), sequence, tmp_path / "x.png")
+
+
+def test_docstring_examples():
+    import doctest
+
+    result = doctest.testmod(visualize, verbose=False)
+    assert result.attempted > 0 and result.failed == 0
