@@ -20,6 +20,7 @@ DOCTEST_MODULES = (
     "keras_vit.model",
     "keras_vit.resnet",
     "keras_vit.flops",
+    "keras_vit.visualize",
 )
 
 # The user's pages: README.md and docs/*.md, as paths relative to the repository root.

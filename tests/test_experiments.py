@@ -42,7 +42,7 @@ def test_main_job_with_defaults_reaches_97_percent(digits_main_job):
     # The grid structure of the paper's Figure 7 appears in the position embeddings.
     assert metrics["position_similarity_neighbours"] > metrics["position_similarity_distant"] + 0.2
     figures = sorted(p.name for p in (workdir / "figures").iterdir())
-    assert len(figures) == 10 and "test0_attention_rollout.png" in figures
+    assert len(figures) == 12 and {"test0_attention_rollout.png", "test1_patch_grid.png"} <= set(figures)
 
 
 @pytest.mark.slow
@@ -66,7 +66,7 @@ def test_config_overrides_from_the_command_line(tmp_path):
     assert model.get_layer("pooling").method == "gap"
     assert [l.name for l in model.layers].count("encoderblock_0") == 1
     assert "encoderblock_1" not in [l.name for l in model.layers]
-    assert len(list((tmp_path / "figures").iterdir())) == 10
+    assert len(list((tmp_path / "figures").iterdir())) == 12
 
 
 @pytest.mark.slow
@@ -113,6 +113,7 @@ def test_visualize_command(tmp_path):
         "embedding_filters.png",
         "head_attention.png",
         "mean_attention_distance.png",
+        "patch_grid.png",
         "position_similarity.png",
     ]
     assert all(str(out / name) in stdout for name in written)
