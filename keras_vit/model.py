@@ -25,6 +25,7 @@ import keras
 
 from keras_vit import layers as vit_layers
 from keras_vit.layers.common import check_rate
+from keras_vit.layers.core import gelu_activation
 from keras_vit.resnet import ResNetStem
 from keras_vit.variants import parse_variant, to_pair
 
@@ -59,6 +60,7 @@ def build_vit(
     num_channels=3,
     head_kernel_initializer="zeros",
     patch_projection="conv",
+    gelu="exact",
     name=None,
     **overrides,
 ):
@@ -85,6 +87,10 @@ def build_vit(
         head_kernel_initializer: initializer of the head's kernel; zeros as in
             the original implementation (what fine-tuning wants).
         patch_projection: "conv" or "matmul", see `PatchEncoder`.
+        gelu: the MLPs' GELU: "exact" (x * Phi(x)) or "tanh", the
+            approximation the original implementation and big_vision compute
+            (Flax's `nn.gelu`): build with "tanh" to reproduce an original
+            checkpoint's outputs to float precision.
         name: model name, by default derived from the variant ("vit_b16").
         **overrides: `hidden_dim`, `num_layers`, `num_heads`, `mlp_dim`,
             `patch_size`; they win over the variant's table entry.
@@ -117,6 +123,7 @@ def build_vit(
         raise ValueError(
             f"`num_channels` must be a positive integer. Received: num_channels={num_channels!r}"
         )
+    gelu_activation(gelu)
     for rate_name, rate in (
         ("dropout_rate", dropout_rate),
         ("attention_dropout_rate", attention_dropout_rate),
@@ -147,6 +154,7 @@ def build_vit(
             dropout_rate=dropout_rate,
             attention_dropout_rate=attention_dropout_rate,
             stochastic_depth_rate=stochastic_depth_rate * depth_fraction,
+            gelu=gelu,
             name=f"encoderblock_{i}",
         )(x)
     x = vit_layers.LayerNormalization(epsilon=1e-6, name="encoder_norm")(x)

@@ -44,6 +44,22 @@ def test_forward_matches_numpy_reference(kwargs):
     assert np.abs(expected).max() > 0.1 and np.ptp(expected, axis=0).max() > 0.1
 
 
+def test_tanh_gelu_matches_numpy_reference(monkeypatch):
+    """gelu="tanh": the reference with the tanh GELU within 1e-5, and clearly not the exact one."""
+    model = randomize_weights(small_vit(gelu="tanh"))
+    images = random_images((3, 8, 12, 3))
+    params, num_layers = numpy_vit.params_from_model(model)
+    exact = numpy_vit.vit_forward(params, num_layers, images)
+    monkeypatch.setattr(
+        numpy_vit, "gelu", lambda x: 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+    )
+    expected = numpy_vit.vit_forward(params, num_layers, images)
+    got = model.predict(images, verbose=0)
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert np.abs(got - exact).max() > 1e-4
+    assert [model.get_layer(f"encoderblock_{i}").gelu for i in range(num_layers)] == ["tanh"] * num_layers
+
+
 def test_uint8_and_float_pixels_give_the_same_output():
     model = randomize_weights(small_vit())
     images = random_images((2, 8, 12, 3))
@@ -66,6 +82,7 @@ def test_without_rescaling_the_model_takes_normalised_inputs():
         dict(),
         dict(classifier="gap", representation_size=8, dropout_rate=0.1, stochastic_depth_rate=0.1),
         dict(num_classes=None, attention_dropout_rate=0.1),
+        dict(gelu="tanh"),
     ],
 )
 def test_keras_save_and_reload_is_exact(tmp_path, kwargs):
@@ -172,6 +189,7 @@ def test_xla_compiled_train_step_runs_and_learns():
         (dict(num_channels=0), r"num_channels=0"),
         (dict(classifier="cls"), r"classifier='cls'"),
         (dict(dropout_rate=1.0), r"dropout_rate=1.0"),
+        (dict(gelu="approximate"), r"gelu='approximate'"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, pattern):

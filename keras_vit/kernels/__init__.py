@@ -11,7 +11,7 @@ places:
 | `attention` | TensorFlow on a CPU with oneDNN, 16-bit inference | softmax without the casts around it (`tf_cpu`) |
 | `layer_norm` | TensorFlow on a CPU with oneDNN, inference | the subgraph oneDNN's LayerNorm replaces (`tf_cpu`) |
 | `layer_norm` | TensorFlow on a CPU, float32 training | channel means as matmuls, gradient written out (`tf_cpu`) |
-| `dense` | TensorFlow | 2-D MatMul + BiasAdd (+ GELU), which the graph optimiser fuses, for kernels of any rank (`tf_ops`) |
+| `dense` | TensorFlow | 2-D MatMul + BiasAdd (+ GELU, exact or tanh), which the graph optimiser fuses, for kernels of any rank (`tf_ops`) |
 | `dropout` | TensorFlow on a CPU, XLA-compiled | ThreeFry masks (`tf_cpu`) |
 
 The form is chosen each time an entry point is traced, from
@@ -81,7 +81,8 @@ def layer_norm(x, gamma, beta, epsilon, *, training=False):
 
 def dense(x, kernel, bias=None, activation=None):
     """activation(x @ kernel + bias): x's last axis contracted with the kernel's first, the
-    kernel's other axes (and the bias's) those of the result; activation None or "gelu" (exact)."""
+    kernel's other axes (and the bias's) those of the result; activation None, "gelu" (exact) or
+    "gelu_tanh" (its tanh approximation)."""
     if activation not in reference.ACTIVATIONS:
         raise ValueError(
             f"`activation` must be one of {sorted(map(str, reference.ACTIVATIONS))}. "

@@ -20,7 +20,17 @@ def gelu(x):
     return 0.5 * x * (1.0 + ops.erf(x * ops.cast(1.0 / math.sqrt(2.0), x.dtype)))
 
 
-ACTIVATIONS = {None: lambda x: x, "gelu": gelu}
+def gelu_tanh(x):
+    """GELU's tanh approximation: x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))) / 2.
+
+    Hendrycks & Gimpel 2016, eq. 2; the GELU of the original ViT and
+    big_vision code (Flax's `nn.gelu`, whose default is `approximate=True`).
+    """
+    inner = ops.cast(math.sqrt(2.0 / math.pi), x.dtype) * (x + ops.cast(0.044715, x.dtype) * x * x * x)
+    return 0.5 * x * (1.0 + ops.tanh(inner))
+
+
+ACTIVATIONS = {None: lambda x: x, "gelu": gelu, "gelu_tanh": gelu_tanh}
 
 
 def dense(x, kernel, bias, activation=None):

@@ -7,7 +7,7 @@ from keras_vit.kernels import reference
 
 
 def dense(x, kernel, bias, activation=None):
-    """The reference `dense` as a 2-D MatMul, then BiasAdd (then GELU).
+    """The reference `dense` as a 2-D MatMul, then BiasAdd (then GELU, exact or tanh).
 
     TensorFlow's graph optimiser fuses MatMul + BiasAdd + activation into one
     kernel (oneDNN's on a CPU, cuBLASLt's epilogue on a GPU); MatMul + AddV2
@@ -23,5 +23,9 @@ def dense(x, kernel, bias, activation=None):
     y = tf.matmul(tf.reshape(x, (-1, shape[-1])), kernel)
     if bias is not None:
         y = tf.nn.bias_add(y, tf.reshape(ops.cast(bias, x.dtype), (-1,)))
-    y = reference.ACTIVATIONS[activation](y)
+    if activation == "gelu_tanh":
+        # TensorFlow's own op: the form its graph optimiser fuses into the matmul.
+        y = tf.nn.gelu(y, approximate=True)
+    else:
+        y = reference.ACTIVATIONS[activation](y)
     return tf.reshape(y, (-1, *shape[1:-1], *outputs))

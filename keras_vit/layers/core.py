@@ -10,18 +10,43 @@ import keras
 from keras_vit import kernels
 from keras_vit.layers.common import register
 
+# The MLP's GELU: "exact" (x Phi(x), the paper's) or "tanh" (its approximation, as Flax's
+# `nn.gelu` computes it in the original implementation and big_vision).
+GELUS = ("exact", "tanh")
+
+
+@register
+def gelu_tanh(x):
+    """GELU's tanh approximation, a registered activation (it survives saving): x * (1 + tanh(sqrt(2 / pi)
+    * (x + 0.044715 x^3))) / 2.
+
+    >>> round(float(gelu_tanh(keras.ops.convert_to_tensor(1.0))), 6)
+    0.841192
+    """
+    return kernels.reference.gelu_tanh(x)
+
+
+def gelu_activation(gelu):
+    """The `Dense` activation of the GELU named `gelu` ("exact" or "tanh"); a ValueError otherwise."""
+    if gelu not in GELUS:
+        raise ValueError(f"`gelu` must be one of {GELUS}. Received: gelu={gelu!r}")
+    return "gelu" if gelu == "exact" else gelu_tanh
+
 
 @register
 class Dense(keras.layers.Dense):
-    """`keras.layers.Dense` computed by `kernels.dense`; activation "gelu" is the exact GELU.
+    """`keras.layers.Dense` computed by `kernels.dense`; activation "gelu" is the exact GELU,
+    `gelu_tanh` its tanh approximation.
 
     >>> tuple(Dense(4, activation="gelu")(keras.ops.ones((2, 3, 5))).shape)
     (2, 3, 4)
     """
 
     def call(self, inputs, training=None):
-        if self.activation is keras.activations.gelu:
-            return kernels.dense(inputs, self.kernel, self.bias, activation="gelu")
+        # The activations `kernels.dense` computes itself (fused with the matmul where it can).
+        fused = {keras.activations.gelu: "gelu", gelu_tanh: "gelu_tanh"}.get(self.activation)
+        if fused:
+            return kernels.dense(inputs, self.kernel, self.bias, activation=fused)
         return self.activation(kernels.dense(inputs, self.kernel, self.bias))
 
 

@@ -5,7 +5,7 @@ from keras import ops
 
 from keras_vit.layers.attention import MultiHeadSelfAttention
 from keras_vit.layers.common import check_positive_int, check_rate, register
-from keras_vit.layers.core import Dense, Dropout, LayerNormalization
+from keras_vit.layers.core import Dense, Dropout, LayerNormalization, gelu_activation
 
 
 @register
@@ -13,8 +13,8 @@ class TransformerBlock(keras.layers.Layer):
     """One pre-norm encoder block (paper eq. 2-3).
 
     z' = z + DropPath(Dropout(MSA(LN(z))))
-    z  = z' + DropPath(MLP(LN(z'))),  MLP = Dense(mlp_dim) -> GELU (exact) ->
-         Dropout -> Dense(hidden) -> Dropout
+    z  = z' + DropPath(MLP(LN(z'))),  MLP = Dense(mlp_dim) -> GELU -> Dropout ->
+         Dense(hidden) -> Dropout
 
     Args:
         num_heads: attention heads.
@@ -25,6 +25,8 @@ class TransformerBlock(keras.layers.Layer):
             branches for a whole sample in training (Huang et al. 2016).
         layer_norm_epsilon: 1e-6, as in the original implementation.
         seed: seed of the dropouts and of stochastic depth.
+        gelu: the MLP's GELU, "exact" or "tanh" (the approximation the
+            original implementation and big_vision compute).
 
     Sublayers: `attention_norm`, `attention`, `mlp_norm`, `mlp_dense_1`,
     `mlp_dense_2`.
@@ -43,9 +45,12 @@ class TransformerBlock(keras.layers.Layer):
         stochastic_depth_rate=0.0,
         layer_norm_epsilon=1e-6,
         seed=None,
+        gelu="exact",
         **kwargs,
     ):
         super().__init__(**kwargs)
+        gelu_activation(gelu)  # Validates it now rather than at build time.
+        self.gelu = gelu
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.mlp_dim = check_positive_int("mlp_dim", mlp_dim)
         self.dropout_rate = check_rate("dropout_rate", dropout_rate)
@@ -66,7 +71,7 @@ class TransformerBlock(keras.layers.Layer):
             self.num_heads, dropout_rate=self.attention_dropout_rate, seed=self.seed, dtype=policy, name="attention"
         )
         self.mlp_norm = LayerNormalization(epsilon=self.layer_norm_epsilon, dtype=policy, name="mlp_norm")
-        self.mlp_dense_1 = Dense(self.mlp_dim, activation="gelu", dtype=policy, name="mlp_dense_1")
+        self.mlp_dense_1 = Dense(self.mlp_dim, activation=gelu_activation(self.gelu), dtype=policy, name="mlp_dense_1")
         self.mlp_dense_2 = Dense(hidden, dtype=policy, name="mlp_dense_2")
         self.dropout = Dropout(self.dropout_rate, seed=self.seed)
         self.seed_generator = keras.random.SeedGenerator(self.seed)
@@ -118,6 +123,7 @@ class TransformerBlock(keras.layers.Layer):
             "stochastic_depth_rate": self.stochastic_depth_rate,
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "seed": self.seed,
+            "gelu": self.gelu,
         }
 
 
