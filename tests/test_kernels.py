@@ -7,6 +7,8 @@ import keras
 import numpy as np
 import pytest
 
+import keras_vit
+
 from keras_vit import kernels
 from keras_vit.kernels import policy, reference
 
@@ -664,3 +666,173 @@ def test_the_onednn_forms_on_a_cpu_that_leaves_onednn_off():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert re.search(r"\b4 passed\b", result.stdout), result.stdout[-2000:]
+
+
+# === cuDNN attention on padded tokens (JAX on an NVIDIA GPU) ===
+
+
+def _jax_explicit_attention(query, key, value, scale):
+    """softmax(q k^T * scale) v over (batch, tokens, heads, head_dim), written out in jax.numpy."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key).astype("float32") * scale
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1).astype(value.dtype), value)
+
+
+@pytest.mark.parametrize("tokens, multiple", [(197, 64), (13, 8)])
+def test_padded_attention_is_the_unpadded_attention_with_its_gradients(tokens, multiple):
+    """Tokens padded with zeros, padded keys masked by length, padded queries dropped: the same
+    outputs as attention over the tokens alone (float64 NumPy within 1e-5) and the same gradients
+    with respect to queries, keys and values (JAX autodiff of the written-out form, 1e-5); run with
+    JAX's XLA implementation, the reference behind the cuDNN call on a GPU."""
+    import jax
+    import jax.numpy as jnp
+
+    from keras_vit.kernels import fused
+
+    heads, head_dim = 2, 16
+    scale = 1.0 / np.sqrt(head_dim)
+    qkv = _rng(tokens).normal(size=(2, tokens, 3, heads * head_dim)).astype("float32")
+    query, key, value = (jnp.asarray(qkv[:, :, i].reshape(2, tokens, heads, head_dim)) for i in range(3))
+    padded = jax.jit(lambda q, k, v: fused.padded_attention(q, k, v, scale, "xla", multiple))
+    got = np.asarray(padded(query, key, value))
+    np.testing.assert_allclose(got, _explicit_attention(qkv, heads), rtol=1e-5, atol=1e-5)
+
+    upstream = jnp.asarray(_rng(tokens + 1).normal(size=got.shape).astype("float32"))
+
+    def gradients(function):
+        return jax.grad(lambda q, k, v: jnp.sum(function(q, k, v) * upstream), argnums=(0, 1, 2))(query, key, value)
+
+    want = gradients(lambda q, k, v: _jax_explicit_attention(q, k, v, scale))
+    for name, g, w in zip("qkv", gradients(padded), want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5, err_msg=name)
+
+    # bfloat16, as it runs on a GPU: within bfloat16's rounding of the float64 result.
+    bf16 = np.asarray(padded(*(x.astype(jnp.bfloat16) for x in (query, key, value))).astype("float32"))
+    np.testing.assert_allclose(bf16, _explicit_attention(qkv, heads), rtol=2e-2, atol=2e-2)
+
+
+def attention_under_a_simulated_gpu(out_dir):
+    """The child of the test below (Keras' JAX backend on the CPU, JAX's default backend reported
+    as "gpu"): which attention call each case makes, with JAX's cuDNN calls run by its XLA
+    implementation; the outputs and a training step's gradients against the reference form; and
+    what happens where cuDNN is refused (the real cuDNN call on a CPU)."""
+    import json
+    import logging
+    import pathlib
+
+    import jax
+
+    from keras_vit.kernels import fused
+
+    calls, results = [], {}
+    jax_attention, keras_attention = jax.nn.dot_product_attention, fused.ops.dot_product_attention
+
+    def jax_spy(query, key, value, **kwargs):
+        lengths = kwargs.get("key_value_seq_lengths")
+        if kwargs.get("implementation") == "cudnn":  # Keras' route calls it too, with "xla".
+            calls.append(["jax", "cudnn", query.shape[1], None if lengths is None else int(lengths[0])])
+        return jax_attention(query, key, value, **{**kwargs, "implementation": "xla"})
+
+    def keras_spy(*args, **kwargs):
+        calls.append(["keras", kwargs.get("flash_attention"), args[0].shape[1], None])
+        return keras_attention(*args, **kwargs)
+
+    default_backend = jax.default_backend
+    jax.default_backend = lambda: "gpu"
+    try:
+        assert kernels.current().device == "gpu"
+        jax.nn.dot_product_attention, fused.ops.dot_product_attention = jax_spy, keras_spy
+        for name, tokens, hidden, dtype, training in (
+            ("bfloat16 197", 197, 4 * 16, "bfloat16", False),
+            ("bfloat16 197 training", 197, 4 * 16, "bfloat16", True),
+            ("float16 128", 128, 4 * 16, "float16", False),
+            ("float32 197", 197, 4 * 16, "float32", False),
+            ("bfloat16 head_dim 12", 197, 4 * 12, "bfloat16", False),
+        ):
+            calls.clear()
+            qkv = _rng(tokens).normal(size=(2, tokens, 3, hidden)).astype("float32")
+            x = keras.ops.cast(qkv, dtype)
+            got = keras.ops.convert_to_numpy(keras.ops.cast(kernels.attention(x, 4, training=training), "float32"))
+            results[name] = {"calls": list(calls), "error": float(np.abs(got - _explicit_attention(qkv, 4).reshape(got.shape)).max())}
+
+        # A training step of a model through the cuDNN route (run by XLA here) and through the
+        # reference form: the same loss and gradients within bfloat16 rounding.
+        keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+        model = keras_vit.build_vit(
+            "testing", image_size=16, patch_size=4, hidden_dim=32, num_heads=2, mlp_dim=64, num_layers=2,
+            num_classes=5, head_kernel_initializer="glorot_uniform",
+        )  # fmt: skip
+        images = _rng(3).uniform(0, 255, (4, 16, 16, 3)).astype("float32")
+        labels = np.arange(4) % 5
+
+        def loss_and_gradients():
+            trainable = [v.value for v in model.trainable_variables]
+            fixed = [v.value for v in model.non_trainable_variables]
+
+            def loss(trainable):
+                logits, _ = model.stateless_call(trainable, fixed, images, training=True)
+                return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+
+            value, grads = jax.value_and_grad(loss)(trainable)
+            return float(value), [np.asarray(g, "float32") for g in grads]
+
+        calls.clear()
+        fused_loss, fused_grads = loss_and_gradients()
+        results["model calls"] = sorted({tuple(c[:2]) for c in calls})
+        with kernels.portable_ops():
+            reference_loss, reference_grads = loss_and_gradients()
+        results["model"] = {
+            "loss": [fused_loss, reference_loss],
+            "gradient error": max(float(np.abs(f - r).max() / (np.abs(r).max() + 1e-12)) for f, r in zip(fused_grads, reference_grads)),
+        }
+        keras.mixed_precision.set_dtype_policy("float32")
+
+        # The real cuDNN call on a machine without cuDNN: refused, said once, XLA's formulation runs.
+        jax.nn.dot_product_attention = jax_attention
+        messages = []
+        handler = logging.Handler()
+        handler.emit = lambda record: messages.append(record.getMessage())
+        logging.getLogger("keras_vit").addHandler(handler)
+        calls.clear()
+        qkv = _rng(5).normal(size=(2, 197, 3, 64)).astype("float32")
+        outputs = [
+            keras.ops.convert_to_numpy(keras.ops.cast(kernels.attention(keras.ops.cast(qkv, "bfloat16"), 4), "float32"))
+            for _ in range(2)
+        ]
+        results["refused"] = {
+            "messages": messages,
+            "calls": list(calls),
+            "error": float(np.abs(outputs[1] - _explicit_attention(qkv, 4).reshape(outputs[1].shape)).max()),
+        }
+    finally:
+        jax.default_backend = default_backend
+        jax.nn.dot_product_attention, fused.ops.dot_product_attention = jax_attention, keras_attention
+    (pathlib.Path(out_dir) / "result.json").write_text(json.dumps(results))
+
+
+@pytest.mark.slow
+def test_on_a_gpu_jax_runs_cudnn_attention_on_padded_tokens(tmp_path):
+    """On a (simulated) GPU under JAX, 16-bit attention is cuDNN's on tokens padded to a multiple
+    of 64 with the real count as the keys' length, for inference and training; float32 and head
+    widths cuDNN refuses take Keras' route; the results and a model's training gradients match the
+    reference form within bfloat16 rounding; where cuDNN is refused the fallback says so once."""
+    from tests.test_parallel import run_in_jax_child
+
+    results = run_in_jax_child("tests.test_kernels.attention_under_a_simulated_gpu", tmp_path, devices=1)
+    assert results["bfloat16 197"]["calls"] == [["jax", "cudnn", 256, 197]]
+    assert results["bfloat16 197 training"]["calls"] == [["jax", "cudnn", 256, 197]]
+    assert results["float16 128"]["calls"] == [["jax", "cudnn", 128, None]]  # Already a multiple: no mask.
+    assert results["float32 197"]["calls"] == [["keras", None, 197, None]]
+    assert results["bfloat16 head_dim 12"]["calls"] == [["keras", None, 197, None]]
+    for name in ("bfloat16 197", "bfloat16 197 training", "float16 128", "bfloat16 head_dim 12"):
+        assert results[name]["error"] < 3e-2, (name, results[name]["error"])
+    assert results["float32 197"]["error"] < 1e-5
+    assert results["model calls"] == [["jax", "cudnn"]]
+    fused_loss, reference_loss = results["model"]["loss"]
+    assert abs(fused_loss - reference_loss) < 2e-2 * abs(reference_loss), results["model"]
+    assert results["model"]["gradient error"] < 5e-2, results["model"]
+    refused = results["refused"]
+    assert len(refused["messages"]) == 1 and "cuDNN attention is not available here" in refused["messages"][0]
+    assert refused["calls"] == [["keras", None, 197, None]] * 2 and refused["error"] < 3e-2

@@ -6,7 +6,8 @@ places:
 
 | entry point | where | form |
 |---|---|---|
-| `attention` | GPU or TPU, backend other than TensorFlow | `keras.ops.dot_product_attention` (`fused`; on TPUs without Keras' Splash route) |
+| `attention` | JAX on an NVIDIA GPU, 16-bit | cuDNN's fused attention on the tokens padded to a multiple of 64, padded keys masked by length (`fused`) |
+| `attention` | GPU or TPU otherwise, backend other than TensorFlow | `keras.ops.dot_product_attention` (`fused`; on TPUs without Keras' Splash route) |
 | `attention` | TensorFlow on a CPU, training | two halves of an even batch; float32 without dropout: gradient written out (`tf_cpu`) |
 | `attention` | TensorFlow on a CPU with oneDNN, 16-bit inference | softmax without the casts around it (`tf_cpu`) |
 | `layer_norm` | TensorFlow on a CPU with oneDNN, inference | the subgraph oneDNN's LayerNorm replaces (`tf_cpu`) |

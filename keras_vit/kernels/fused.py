@@ -1,10 +1,14 @@
-"""Attention as `keras.ops.dot_product_attention`: the fast form on GPUs and TPUs
-with a backend other than TensorFlow.
+"""Attention as one fused kernel: the fast form on GPUs and TPUs with a backend
+other than TensorFlow.
 
-There JAX runs cuDNN's fused (flash) attention on NVIDIA GPUs from Ampere on
-for 16-bit inputs and its own XLA formulation otherwise (logits and softmax in
-float32, like the reference form); PyTorch runs `scaled_dot_product_attention`.
-On TPUs this form asks Keras for no flash kernel (`keeps_off_keras_splash`).
+- JAX on an NVIDIA GPU, 16-bit: cuDNN's fused (flash) attention, forward and
+  backward, through `jax.nn.dot_product_attention(implementation="cudnn")` on
+  the tokens padded to a multiple of `CUDNN_TOKEN_MULTIPLE`, the padded keys
+  masked by length (`padded_attention`).
+- Elsewhere (float32 on a GPU, TPUs, PyTorch): `keras.ops.dot_product_attention`,
+  which runs JAX's XLA formulation (logits and softmax in float32, like the
+  reference form) or PyTorch's `scaled_dot_product_attention`. On TPUs this
+  form asks Keras for no flash kernel (`keeps_off_keras_splash`).
 """
 
 import math
@@ -14,6 +18,16 @@ from keras import ops
 
 from keras_vit.kernels import policy, reference
 
+# Keras' own call did not get cuDNN's kernel for a ViT's 197 tokens on an H200
+# ("Unsupported sequence length Q 197, KV 197"), and XLA's formulation is slow
+# there; on the tokens padded to a multiple of 64, the row tile of cuDNN's
+# kernels, with the padded keys masked by length, cuDNN runs: 197 becomes 256.
+CUDNN_TOKEN_MULTIPLE = 64
+# cuDNN's limits on the head width (JAX's `check_is_flash_attention`).
+CUDNN_HEAD_DIM_MULTIPLE, CUDNN_MAX_HEAD_DIM = 8, 128
+
+_cudnn_refusals = set()
+
 
 def attention(qkv, num_heads, training=False):
     """The reference `attention`'s attended values, without probabilities or dropout."""
@@ -22,21 +36,75 @@ def attention(qkv, num_heads, training=False):
     head_dim = hidden // num_heads
     # (batch, tokens, heads, head_dim) is the layout the fused kernels take: no transposes.
     qkv = ops.reshape(qkv, (-1, tokens, 3, num_heads, head_dim))
-    # Training asks for no flash kernel: cuDNN's has no backward pass for 197 tokens
-    # (JAX 0.11: "Unsupported sequence length"); Keras would log that failure at every
-    # trace and fall back to the XLA formulation, which this asks for directly.
-    flash_attention = False if training or keeps_off_keras_splash() else None
-    attended = ops.dot_product_attention(
-        qkv[:, :, 0],
-        qkv[:, :, 1],
-        qkv[:, :, 2],
-        scale=1.0 / math.sqrt(head_dim),
-        flash_attention=flash_attention,
-    )
+    query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    scale = 1.0 / math.sqrt(head_dim)
+    attended = None
+    if uses_padded_cudnn(query.dtype, head_dim):
+        attended = _padded_cudnn_or_none(query, key, value, scale)
+    if attended is None:
+        # Keras' flash route: not for training (cuDNN refuses the backward pass
+        # of 197 tokens there and Keras would log that at every trace) and never
+        # Keras' Splash route on a TPU.
+        flash_attention = False if training or keeps_off_keras_splash() else None
+        attended = ops.dot_product_attention(query, key, value, scale=scale, flash_attention=flash_attention)
     return ops.reshape(attended, (-1, tokens, hidden))
 
 
+def uses_padded_cudnn(dtype, head_dim):
+    """Whether attention traced now runs cuDNN on padded tokens: JAX on a GPU,
+    16-bit queries, a head width cuDNN takes."""
+    target = policy.current()
+    return (
+        target.backend == "jax"
+        and target.device == "gpu"
+        and keras.backend.standardize_dtype(dtype) in ("bfloat16", "float16")
+        and head_dim % CUDNN_HEAD_DIM_MULTIPLE == 0
+        and head_dim <= CUDNN_MAX_HEAD_DIM
+    )
+
+
+def padded_attention(query, key, value, scale, implementation=None, multiple=CUDNN_TOKEN_MULTIPLE):
+    """softmax(query key^T * scale) value over (batch, tokens, heads, head_dim)
+    JAX arrays, computed on the tokens padded with zeros to a multiple of
+    `multiple`: the padded keys are masked out by their count
+    (`key_value_seq_lengths`) and the padded queries' rows dropped, so the
+    result is the unpadded attention's. `implementation`: JAX's, "cudnn" or
+    "xla" (None: JAX's choice, XLA)."""
+    import jax
+    import jax.numpy as jnp
+
+    batch, tokens = query.shape[0], query.shape[1]
+    padding = -tokens % multiple
+    lengths = None
+    if padding:
+        widths = ((0, 0), (0, padding), (0, 0), (0, 0))
+        query, key, value = (jnp.pad(x, widths) for x in (query, key, value))
+        lengths = jnp.full((batch,), tokens, jnp.int32)
+    attended = jax.nn.dot_product_attention(
+        query, key, value, scale=scale, key_value_seq_lengths=lengths, implementation=implementation
+    )
+    return attended[:, :tokens]
+
+
+def _padded_cudnn_or_none(query, key, value, scale):
+    """`padded_attention` through cuDNN, or None where JAX refuses it here
+    (no cuDNN, a GPU before Ampere, a JAX without the route), said once per reason."""
+    try:
+        return padded_attention(query, key, value, scale, implementation="cudnn")
+    except (NotImplementedError, RuntimeError, ValueError) as error:
+        reason = f"{type(error).__name__}: {error}"
+        if reason not in _cudnn_refusals:
+            _cudnn_refusals.add(reason)
+            import logging
+
+            logging.getLogger("keras_vit").warning(
+                "cuDNN attention is not available here (%s); attention runs as XLA's formulation.", reason
+            )
+        return None
+
+
 def keeps_off_keras_splash():
+
     """Whether attention traced now must ask Keras for no flash kernel: on the JAX
     backend where Keras would run its Splash (TPU) kernel.
 
