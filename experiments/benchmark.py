@@ -114,8 +114,10 @@ _PRECISION = flags.DEFINE_enum(
 _JIT = flags.DEFINE_enum(
     "jit", "auto", list(keras_vit.training.JIT_COMPILE), "infer/train: XLA for keras_vit."
 )
-_COMPARE = flags.DEFINE_list("compare", [], "infer/train: peers to measure, of keras_hub,timm.")
-PEERS = ("keras_hub", "timm")
+_COMPARE = flags.DEFINE_list(
+    "compare", [], "infer/train: peers to measure, of keras_hub,timm,timm_compiled (timm with torch.compile)."
+)
+PEERS = ("keras_hub", "timm", "timm_compiled")
 _DATA = flags.DEFINE_string(
     "data", "", "input: an image folder (local or gs://) or tfds:NAME[:SPLIT]; default: synthetic JPEGs."
 )
@@ -126,6 +128,12 @@ _SYNTHETIC_SIZE = flags.DEFINE_string(
 )
 _RANDAUGMENT = flags.DEFINE_list("randaugment", [], "input: RandAugment NUM_OPS,MAGNITUDE, e.g. 2,10; none if empty.")
 _INPUT_IMAGES = flags.DEFINE_integer("input_images", 1024, "input: images per timed repetition.")
+_TIMM_PYTHON = flags.DEFINE_string(
+    "timm_python", "", "infer/train: the Python that runs the timm peers (default: this one), where PyTorch lives apart."
+)
+_FLOAT32_ROW = flags.DEFINE_boolean(
+    "float32_row", True, "infer/train with a 16-bit --precision: also measure our float32 model (the 16-bit speed-up)."
+)
 
 
 # A pause before each timed call, so that no thread pool of the previous one
@@ -346,7 +354,7 @@ def keras_contender(model, mode, images, labels, batch_size, jit_compile):
     return run
 
 
-def throughput(variant, image_size, batch_size, mode, precision, jit, compare, repeats, steps):
+def throughput(variant, image_size, batch_size, mode, precision, jit, compare, repeats, steps, float32_row=True):
     """Measures and prints images/s, FLOP/s and ratios; returns {name: images/s}."""
     from experiments import peers
 
@@ -365,8 +373,8 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
     images = rng.uniform(0, 255, (steps * batch_size, image_size, image_size, 3)).astype("float32")
     labels = rng.integers(0, num_classes, steps * batch_size)
 
-    # === Contenders: name -> (steps -> seconds), parameter count ===
-    contenders = {}
+    # === Contenders: name -> (steps -> seconds), parameter count; peer -> its contenders' names ===
+    contenders, peer_names = {}, {peer: [] for peer in compare}
 
     def add_keras(label, model, jit_compile):
         name = f"{label} ({'XLA' if jit_compile else 'no XLA'})"
@@ -377,7 +385,8 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
     ours_name = add_keras(
         "keras_vit", keras_vit.build_vit(variant, image_size=image_size, num_classes=num_classes), jit_compile
     )
-    if precision != "float32":  # Our own float32 model, for the speed-up of the 16-bit policy.
+    measure_float32 = float32_row and precision != "float32"
+    if measure_float32:  # Our own float32 model, for the speed-up of the 16-bit policy.
         keras.mixed_precision.set_dtype_policy("float32")
         ours32 = keras_vit.build_vit(variant, image_size=image_size, num_classes=num_classes)
         keras.mixed_precision.set_dtype_policy(precision)
@@ -387,12 +396,20 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
     if "keras_hub" in compare:
         # Without XLA is TensorFlow's graph mode; the JAX backend always compiles.
         for hub_jit in (False, True) if keras.backend.backend() == "tensorflow" else (True,):
-            add_keras("keras_hub", peers.keras_hub_model(config, image_size, num_classes, precision), hub_jit)
-    if "timm" in compare:
-        device = "cuda" if accelerator == "gpu" else "cpu"
-        worker = peers.TimmWorker(config, image_size, batch_size, num_classes, mode, precision, device)
-        workers.append(worker)
-        contenders[f"timm (PyTorch eager, {device})"] = (worker, worker.parameters)
+            hub = peers.keras_hub_model(config, image_size, num_classes, precision)
+            peer_names["keras_hub"].append(add_keras("keras_hub", hub, hub_jit))
+    device = "cuda" if accelerator == "gpu" else "cpu"
+    tf32 = ", TF32" if device == "cuda" and precision == "float32" else ""
+    for peer, compiled, label in (("timm", False, "PyTorch eager"), ("timm_compiled", True, "torch.compile")):
+        if peer in compare:
+            worker = peers.TimmWorker(
+                config, image_size, batch_size, num_classes, mode, precision, device, compiled=compiled,
+                python=_TIMM_PYTHON.value or None, passive_threads={"timm", "timm_compiled"} <= set(compare),
+            )  # fmt: skip
+            workers.append(worker)
+            name = f"timm ({label}, {device}{tf32})"
+            contenders[name] = (worker, worker.parameters)
+            peer_names[peer].append(name)
     dtype = "bfloat16" if precision == "mixed_bfloat16" else "float32"
     # An accelerator needs a larger product to reach its peak than a CPU core.
     matmul_size = 2048 if accelerator == "cpu" else 8192
@@ -442,17 +459,18 @@ def throughput(variant, image_size, batch_size, mode, precision, jit, compare, r
         + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peak_by_kind.items())
         + f"; roofline {peak / 1e9:.0f} GFLOP/s"
     )
-    print(f"  {'implementation':28s} {'params':>11s} {'images/s':>9s} {'GFLOP/s':>8s} {'of peak':>8s} {'ours/this':>9s}")
+    print(f"  {'implementation':34s} {'params':>11s} {'images/s':>9s} {'GFLOP/s':>8s} {'of peak':>8s} {'ours/this':>9s}")
     for name, rate in median.items():
         print(
-            f"  {name:28s} {contenders[name][1]:11,d} {rate:9.2f} {rate * flops / 1e9:8.1f} "
+            f"  {name:34s} {contenders[name][1]:11,d} {rate:9.2f} {rate * flops / 1e9:8.1f} "
             f"{100 * rate * flops / peak:7.1f}% {median[ours_name] / rate:8.2f}x"
         )
-    if precision != "float32":
+    if measure_float32:
         print(f"keras_vit {precision} / keras_vit float32: {median[ours_name] / median[float32_name]:.2f}x")
-    for peer in compare:
-        best = max((rate, name) for name, rate in median.items() if name.startswith(peer))
-        print(f"keras_vit / {peer}: {median[ours_name] / best[0]:.2f}x (against {best[1]}, its faster)")
+    for peer, names in peer_names.items():
+        best = max((median[name], name) for name in names)
+        faster = ", its faster" if len(names) > 1 else ""
+        print(f"keras_vit / {peer}: {median[ours_name] / best[0]:.2f}x (against {best[1]}{faster})")
     return median
 
 
@@ -746,7 +764,7 @@ def main(argv):
     if mode in ("infer", "train"):
         throughput(
             _VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, mode, _PRECISION.value,
-            _JIT.value, _COMPARE.value, repeats, _STEPS.value,
+            _JIT.value, _COMPARE.value, repeats, _STEPS.value, _FLOAT32_ROW.value,
         )  # fmt: skip
     elif mode == "attention":
         attention(_VARIANT.value, _IMAGE_SIZE.value, _BATCH_SIZE.value, _PRECISION.value, _JIT.value, repeats)

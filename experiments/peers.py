@@ -2,12 +2,17 @@ r"""Other ViT implementations, built with the same architecture, for the benchma
 
 - keras-hub: `keras_hub.models.ViTImageClassifier` on a `ViTBackbone`, run
   in-process with Keras `predict` / `fit` like ours.
-- timm: `timm.models.vision_transformer.VisionTransformer` (PyTorch, eager),
-  run in a child process (`python -m experiments.peers --timm ...`):
-  TensorFlow and PyTorch in one process crash on this machine when building a
-  B/16. The parent sends "<steps>\n" on stdin, the child runs that many
-  batches and answers with the seconds taken, so repetitions still
-  interleave with the other implementations.
+- timm: `timm.models.vision_transformer.VisionTransformer` (PyTorch, with
+  `scaled_dot_product_attention`), run in a child process
+  (`python -m experiments.peers --timm ...`): TensorFlow and PyTorch in one
+  process crash on this machine when building a B/16. The parent sends
+  "<steps>\n" on stdin, the child runs that many batches and answers with the
+  seconds taken, so repetitions still interleave with the other
+  implementations. Two forms: eager, and compiled as a PyTorch user trains and
+  serves on a GPU (`compiled=True`): `torch.compile` of the whole training
+  step (forward, backward and a fused AdamW update) or of the model.
+  Precision: bfloat16 autocast for mixed_bfloat16; for float32 on CUDA both
+  forms allow TF32 matmuls and convolutions, as XLA does on GPUs by default.
 
 Neither is a dependency of keras_vit: `pip install -e ".[bench]"` installs
 them (see README, Performance).
@@ -68,20 +73,29 @@ def keras_hub_model(config, image_size, num_classes, precision):
 class TimmWorker:
     """A timm ViT in a child process, driven one round of batches at a time."""
 
-    def __init__(self, config, image_size, batch_size, num_classes, mode, precision, device="cpu"):
+    def __init__(
+        self, config, image_size, batch_size, num_classes, mode, precision, device="cpu", compiled=False, python=None,
+        passive_threads=False,
+    ):  # fmt: skip
         if config.resnet_layers is not None:
             raise SystemExit("The timm comparison covers plain ViTs only, not hybrids.")
-        require("timm", "timm")  # A clear error here rather than in the child.
+        if python is None:  # Another interpreter checks its own packages, in the child.
+            require("timm", "timm")  # A clear error here rather than in the child.
         args = [
-            sys.executable, "-m", "experiments.peers", "--timm",
+            python or sys.executable, "-m", "experiments.peers", "--timm",
             f"--hidden_dim={config.hidden_dim}", f"--num_layers={config.num_layers}",
             f"--num_heads={config.num_heads}", f"--mlp_dim={config.mlp_dim}",
             f"--patch_size={config.patch_size[0]}", f"--image_size={image_size}",
             f"--batch_size={batch_size}", f"--num_classes={num_classes}",
             f"--mode={mode}", f"--precision={precision}", f"--device={device}",
-        ]  # fmt: skip
+        ] + ["--compile"] * bool(compiled)  # fmt: skip
+        env = None
+        if passive_threads:
+            # Two PyTorch processes on the same cores: OpenMP threads that spin-wait after
+            # their round slow the other's round (a 7x slower tiny model was seen on 2 cores).
+            env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         self.process = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env
         )
         self.parameters = int(self._read())
 
@@ -114,6 +128,7 @@ def _worker_arguments(argv):
     parser.add_argument("--mode", choices=("infer", "train"), required=True)
     parser.add_argument("--precision", choices=("float32", "mixed_bfloat16"), required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the step (or the model).")
     return parser.parse_args(argv)
 
 
@@ -124,6 +139,9 @@ def timm_worker(argv):
     f = _worker_arguments(argv)
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(0)
+    if f.device == "cuda" and f.precision == "float32":  # TF32, as XLA's default on GPUs.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     model = VisionTransformer(
         img_size=f.image_size,
         patch_size=f.patch_size,
@@ -146,7 +164,9 @@ def timm_worker(argv):
 
     if f.mode == "train":
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        # The fused (one kernel) update on CUDA for the compiled form; eager keeps PyTorch's default.
+        fused = f.compile and f.device == "cuda"
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused or None)
         loss_fn = torch.nn.CrossEntropyLoss()
 
         def step():
@@ -155,13 +175,20 @@ def timm_worker(argv):
                 loss = loss_fn(model(images), labels)
             loss.backward()
             optimizer.step()
+
+        if f.compile:
+            step = torch.compile(step)
     else:
         model.eval()
+        forward = torch.compile(model) if f.compile else model
 
         def step():
             with torch.inference_mode(), autocast:
-                model(images)
+                forward(images)
 
+    for _ in range(3 if f.compile else 0):  # Compilation (and recompilation once AdamW has state) before timing.
+        step()
+    synchronize()
     print(sum(p.numel() for p in model.parameters()), flush=True)
     for line in sys.stdin:
         steps = int(line)

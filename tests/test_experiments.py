@@ -323,11 +323,28 @@ def test_benchmark_rejects_unknown_peers_and_names_the_missing_extra():
         )  # fmt: skip
 
     result = run("--compare=vit_keras")
-    assert result.returncode != 0 and "--compare takes a subset of ['keras_hub', 'timm']" in result.stderr
-    if importlib.util.find_spec("keras_hub") is None:  # The test extra leaves the peers out.
-        result = run("--compare=keras_hub")
-        assert result.returncode != 0
-        assert 'keras-hub is not installed' in result.stderr and '".[bench]"' in result.stderr
+    assert result.returncode != 0
+    assert "--compare takes a subset of ['keras_hub', 'timm', 'timm_compiled']" in result.stderr
+    for peer, module, package in (
+        ("keras_hub", "keras_hub", "keras-hub"), ("timm", "timm", "timm"), ("timm_compiled", "timm", "timm")
+    ):  # fmt: skip
+        if importlib.util.find_spec(module) is None:  # The test extra leaves the peers out.
+            result = run(f"--compare={peer}")
+            assert result.returncode != 0
+            assert f"{package} is not installed" in result.stderr and '".[bench]"' in result.stderr
+
+
+@pytest.mark.slow
+def test_benchmark_measures_timm_eager_and_compiled_where_installed():
+    """Both timm peers (the bench extra) run beside ours and get their rows and ratios."""
+    pytest.importorskip("timm")
+    stdout = run_module(
+        "experiments.benchmark", "--mode=train", "--variant=testing", "--image_size=32", "--batch_size=4",
+        "--steps=1", "--repeats=1", "--compare=timm,timm_compiled",
+    )  # fmt: skip
+    assert re.search(r"timm \(PyTorch eager, cpu\) +19,470 +[0-9.]+", stdout), stdout
+    assert re.search(r"timm \(torch.compile, cpu\) +19,470 +[0-9.]+", stdout), stdout
+    assert "keras_vit / timm: " in stdout and "keras_vit / timm_compiled: " in stdout
 
 
 def test_digits_data():
