@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# The GPU measurements of README "Performance": keras_vit on Keras' JAX backend (no TensorFlow needed)
-# against keras-hub (same Keras loop) and timm (PyTorch eager, CUDA), B/16 at 224 px, bfloat16, plus
-# fused-vs-explicit attention and an S/16 float32 training step. Needs jax with CUDA, keras, keras-hub,
-# timm and torch importable by $PY; WHEELS=<folder of .whl files> installs missing ones into /tmp/site
-# first, for a machine without a package index. Logs go to $OUT (default /tmp/keras_vit-gpu).
+# The GPU rows of docs/performance.md: keras_vit on Keras' JAX backend (no TensorFlow needed) against
+# keras-hub (the same Keras loop), timm eager and timm with torch.compile (PyTorch on CUDA, bfloat16
+# autocast, fused AdamW, scaled_dot_product_attention). Each row is one benchmark process: the
+# implementations interleaved on the same GPU, the bfloat16 (or float32) 8192^3 matmul peak measured in
+# the same process, so "of peak" is the MFU. Rows run in the order below, most wanted first; ROWS="..."
+# picks some. ANCHORS=<path of gpu_anchors.py> also runs its timm and Flax anchors for the B/16 step.
+# Needs jax with CUDA, keras, keras-hub, timm and torch importable by $PY; WHEELS=<folder of .whl
+# files> installs missing ones into /tmp/site first, for a machine without a package index. Logs go to
+# $OUT (default /tmp/keras_vit-gpu).
 #
 #     bash experiments/gpu_benchmark.sh
+#     ROWS="attention b16_train" STEPS=2 REPEATS=1 bash experiments/gpu_benchmark.sh  # a quick try
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}; OUT=${OUT:-/tmp/keras_vit-gpu}; mkdir -p "$OUT"
-# JAX takes 75% of the GPU's memory by default; the timm worker is a second process on the same GPU.
+ROWS=${ROWS:-"attention b16_train s16_train b16_infer b16_infer_b16 l16_train b16_train_f32"}
+STEPS=${STEPS:-10}; REPEATS=${REPEATS:-3}
+# JAX takes 75% of the GPU's memory by default; the timm workers are other processes on the same GPU.
 export KERAS_BACKEND=jax XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 PYTHONUNBUFFERED=1
 if [ -n "${WHEELS:-}" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
-nvidia-smi -L
+command -v nvidia-smi > /dev/null && nvidia-smi -L
 $PY -c "import jax, keras, keras_hub, timm, torch
 print('jax', jax.__version__, jax.devices(), '| keras', keras.__version__, '| keras-hub', keras_hub.__version__,
       '| timm', timm.__version__, '| torch', torch.__version__)" || exit 1
@@ -24,12 +31,26 @@ run() {  # log name, time limit in seconds, benchmark flags
   local name=$1 limit=$2; shift 2
   echo "=== python -m experiments.benchmark $*"
   timeout "$limit" $PY -m experiments.benchmark "$@" > "$OUT/$name.log" 2>&1 || { echo "failed: see $OUT/$name.log"; status=1; }
-  grep -E "^(  |[A-Z]|keras_vit|fused)" "$OUT/$name.log" | grep -v "^[IWE][0-9]" | tail -12
+  grep -E "^(  |[A-Z]|keras_vit|fused)" "$OUT/$name.log" | grep -v "^[IWE][0-9]" | tail -14
 }
-B16="--variant=B/16 --image_size=224 --precision=mixed_bfloat16 --compare=keras_hub,timm"
-run infer_b16 300 --mode=infer $B16 --batch_size=16 --steps=20
-run attention 300 --mode=attention --variant=B/16 --precision=mixed_bfloat16 --batch_size=64 --repeats=10
-run infer_b256 300 --mode=infer $B16 --batch_size=256 --steps=4
-run train_b64 400 --mode=train $B16 --batch_size=64 --steps=5
-run train_s16_f32 400 --mode=train --variant=S/16 --precision=float32 --compare=keras_hub,timm --batch_size=64 --steps=5
+TIMED="--steps=$STEPS --repeats=$REPEATS --float32_row=false"
+BF16="--precision=mixed_bfloat16 --image_size=224"
+for row in $ROWS; do
+  case $row in
+    attention) run attention 200 --mode=attention --variant=B/16 $BF16 --batch_size=64 --repeats=10 ;;
+    b16_train) run b16_train 480 --mode=train --variant=B/16 $BF16 --batch_size=256 $TIMED --compare=keras_hub,timm,timm_compiled ;;
+    s16_train) run s16_train 300 --mode=train --variant=S/16 $BF16 --batch_size=256 $TIMED --compare=timm_compiled ;;
+    b16_infer) run b16_infer 360 --mode=infer --variant=B/16 $BF16 --batch_size=256 $TIMED --compare=keras_hub,timm,timm_compiled ;;
+    b16_infer_b16) run b16_infer_b16 240 --mode=infer --variant=B/16 $BF16 --batch_size=16 --steps=40 --repeats=$REPEATS --float32_row=false --compare=keras_hub ;;
+    l16_train) run l16_train 420 --mode=train --variant=L/16 $BF16 --batch_size=128 $TIMED --compare=timm_compiled ;;
+    b16_train_f32) run b16_train_f32 420 --mode=train --variant=B/16 --precision=float32 --image_size=224 --batch_size=256 $TIMED --compare=timm_compiled ;;
+    *) echo "unknown row $row"; status=1 ;;
+  esac
+done
+if [ -n "${ANCHORS:-}" ]; then
+  for anchor in "timm" "flax" "flax --attn cudnn_pad"; do
+    echo "=== $ANCHORS $anchor --mode train --batch 256 --variant B/16"
+    timeout 300 $PY "$ANCHORS" $anchor --mode train --batch 256 --variant B/16 2>&1 | tail -1 || status=1
+  done
+fi
 exit $status
