@@ -17,6 +17,7 @@ from keras_vit.checkpoints import (
 )
 from keras_vit.flops import count_flops
 from keras_vit.layers import (
+    MAPHead,
     MultiHeadSelfAttention,
     PatchEncoder,
     Patches,
@@ -37,6 +38,7 @@ __all__ = [
     "BatchMixer",
     "BottleneckUnit",
     "HYBRIDS",
+    "MAPHead",
     "MODEL_SIZES",
     "MultiHeadSelfAttention",
     "PatchEncoder",

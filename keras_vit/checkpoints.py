@@ -9,6 +9,9 @@ read here:
 - big_vision names: `pos_embedding` at the top level without a class-token
   row (big_vision prepends the class token after adding the position
   embeddings), `MultiHeadDotProductAttention_0`, `LayerNorm_1`, `MlpBlock_0`;
+  no position embeddings at all for fixed 2-D sin-cos ones (a model built
+  with position_embedding="sincos2d"); the MAP head `MAPHead_0/{probe,
+  MultiHeadDotProductAttention_0, LayerNorm_0, MlpBlock_0}` (classifier "map");
 - the "scan" layout: every block stacked on a leading axis under
   `Transformer/encoderblock/`;
 - hybrids: `conv_root`, `gn_root`, `block{s}/unit{u}/{conv,gn}{1,2,3,_proj}`.
@@ -44,7 +47,18 @@ _TOP_LEVEL = {
     "pre_logits/bias": "pre_logits/bias",
     "head/kernel": "head/kernel",
     "head/bias": "head/bias",
+    # big_vision's MAP head (classifier "map"); its attention kernels are read by `_read_attention`.
+    "MAPHead_0/probe": "pooling/probe",
+    "MAPHead_0/MultiHeadDotProductAttention_0/out/bias": "pooling/output_bias",
+    "MAPHead_0/LayerNorm_0/scale": "pooling/norm/gamma",
+    "MAPHead_0/LayerNorm_0/bias": "pooling/norm/beta",
+    "MAPHead_0/MlpBlock_0/Dense_0/kernel": "pooling/mlp_dense_1/kernel",
+    "MAPHead_0/MlpBlock_0/Dense_0/bias": "pooling/mlp_dense_1/bias",
+    "MAPHead_0/MlpBlock_0/Dense_1/kernel": "pooling/mlp_dense_2/kernel",
+    "MAPHead_0/MlpBlock_0/Dense_1/bias": "pooling/mlp_dense_2/bias",
 }
+_POSEMB = "Transformer/posembed_input/pos_embedding"
+_MAP_ATTENTION = "MAPHead_0/MultiHeadDotProductAttention_0"
 _BLOCK = {
     "LayerNorm_0/scale": "attention_norm/gamma",
     "LayerNorm_0/bias": "attention_norm/beta",
@@ -58,6 +72,10 @@ _BLOCK = {
 }
 _ATTENTION = "MultiHeadDotProductAttention_1"
 _QKV = ("query", "key", "value")
+# The attention layers' fused projections (`<name>_kernel`, `<name>_bias`) -> the checkpoint's
+# projections they stack, in order on the axis before the last.
+_PROJECTIONS = {"qkv": _QKV, "query": ("query",), "key_value": ("key", "value")}
+_ATTENTION_WEIGHT = re.compile(r"^(?:(qkv|query|key_value)_(kernel|bias)|output_kernel)$")
 # big_vision numbers the sublayers of a block differently.
 _BIG_VISION_BLOCK = {
     "MultiHeadDotProductAttention_0/": "MultiHeadDotProductAttention_1/",
@@ -133,12 +151,6 @@ def canonicalize(params):
             params = {key[len(prefix) :]: value for key, value in params.items()}
         elif any(key.startswith(prefix) for key in params):
             params = {key[len(prefix) :]: v for key, v in params.items() if key.startswith(prefix)}
-    if any(key.startswith("MAPHead") for key in params):
-        raise CheckpointError(
-            "The checkpoint has a MAP head (big_vision pool_type='map'); build_vit supports the "
-            "'token' and 'gap' classifiers only."
-        )
-
     # Scan layout: Transformer/encoderblock/<rest> with the blocks on axis 0.
     stacked = {k: v for k, v in params.items() if k.startswith("Transformer/encoderblock/")}
     if stacked:
@@ -151,19 +163,20 @@ def canonicalize(params):
             for i in range(value.shape[0]):
                 params[f"Transformer/encoderblock_{i}/{rest}"] = value[i]
 
-    # big_vision names.
-    if "pos_embedding" in params or any("MlpBlock_0/" in key for key in params):
+    # big_vision names (its blocks' sublayers; the MAP head keeps big_vision's names).
+    in_blocks = lambda key: key.startswith("Transformer/encoderblock_")  # noqa: E731
+    if "pos_embedding" in params or any(in_blocks(key) and "MlpBlock_0/" in key for key in params):
         renamed = {}
         for key, value in params.items():
             for theirs, ours in _BIG_VISION_BLOCK.items():
-                key = key.replace(theirs, ours)
+                key = key.replace(theirs, ours) if in_blocks(key) else key
             renamed[key] = value
         params = renamed
         if "pos_embedding" in params:
             posemb = params.pop("pos_embedding")
             if "cls" in params:
                 posemb = np.concatenate([np.zeros_like(posemb[:, :1]), posemb], axis=1)
-            params["Transformer/posembed_input/pos_embedding"] = posemb
+            params[_POSEMB] = posemb
     return params
 
 
@@ -287,6 +300,55 @@ def _resnet_path(key):
     return "resnet/" + layer.replace("/unit", "_unit") + "/" + param
 
 
+def _attention_source(path):
+    """(checkpoint prefix, weight name) of an attention's fused projection weight
+    (`encoderblock_{i}/attention/qkv_kernel`, `pooling/key_value_bias`, ...); None for any other path."""
+    block = re.match(r"^encoderblock_(\d+)/attention/(\w+)$", path)
+    pooling = re.match(r"^pooling/(\w+)$", path)
+    if block and _ATTENTION_WEIGHT.match(block.group(2)):
+        return f"Transformer/encoderblock_{block.group(1)}/{_ATTENTION}", block.group(2)
+    if pooling and _ATTENTION_WEIGHT.match(pooling.group(1)):
+        return _MAP_ATTENTION, pooling.group(1)
+    return None
+
+
+def _read_attention(take, prefix, weight, dim):
+    """An attention weight from the checkpoint's per-projection arrays.
+
+    Kernels (D, heads, head_dim) are reshaped to (D, D) and stacked on the
+    middle axis ((D, 3, D) for `qkv_kernel`, (D, 2, D) for `key_value_kernel`,
+    (D, D) alone for `query_kernel`), biases (heads, head_dim) likewise; the
+    output kernel (heads, head_dim, D) becomes (D, D).
+    """
+    if weight == "output_kernel":
+        kernel = take(f"{prefix}/out/kernel")
+        return kernel.reshape(-1, kernel.shape[-1])
+    projection, kind = weight.rsplit("_", 1)
+    if kind == "kernel":
+        parts = [take(f"{prefix}/{name}/kernel").reshape(dim, -1) for name in _PROJECTIONS[projection]]
+        return np.stack(parts, axis=1) if len(parts) > 1 else parts[0]
+    parts = [take(f"{prefix}/{name}/bias").reshape(-1) for name in _PROJECTIONS[projection]]
+    return np.stack(parts) if len(parts) > 1 else parts[0]
+
+
+def _write_attention(params, prefix, weight, value, num_heads):
+    """The inverse of `_read_attention`: an attention weight into `params` as per-projection arrays.
+    The flat (D, 3D) and (3D,) query-key-value weights of older models hold the same numbers in the
+    same order and are read too."""
+    if weight == "output_kernel":
+        params[f"{prefix}/out/kernel"] = value.reshape(num_heads, -1, value.shape[-1])
+        return
+    projection, kind = weight.rsplit("_", 1)
+    names = _PROJECTIONS[projection]
+    if kind == "kernel":
+        dim = value.shape[0]
+        for name, part in zip(names, np.moveaxis(value.reshape(dim, len(names), -1), 1, 0)):
+            params[f"{prefix}/{name}/kernel"] = part.reshape(dim, num_heads, dim // num_heads)
+    else:
+        for name, part in zip(names, value.reshape(len(names), -1)):
+            params[f"{prefix}/{name}/bias"] = part.reshape(num_heads, -1)
+
+
 def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicubic", skip_mismatched_head=True):
     """Maps a canonical checkpoint onto a model's weights.
 
@@ -305,6 +367,7 @@ def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicub
         key the model has no place for.
     """
     weights, notes, used = {}, [], set()
+    has_class_token = "patch_encoder/class_token" in target_shapes
 
     def take(key):
         if key not in params:
@@ -315,6 +378,7 @@ def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicub
     for path, shape in target_shapes.items():
         shape = tuple(shape)
         block = re.match(r"^encoderblock_(\d+)/(.+)$", path)
+        attention = _attention_source(path)
         if path.startswith("resnet/"):
             key = next((k for k in params if _resnet_path(k) == path), None)
             if key is None:
@@ -323,23 +387,14 @@ def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicub
                 wanted = re.sub(r"/(gn[^/]*)/beta$", r"/\1/bias", wanted)
                 raise _missing(wanted, params)
             value = take(key)
+        elif attention:
+            value = _read_attention(take, *attention, shape[0])
         elif block:
             prefix, rest = f"Transformer/encoderblock_{block.group(1)}/", block.group(2)
-            attention = prefix + _ATTENTION
-            # The query, key and value kernels (D, heads, head_dim) stacked as (D, 3, D), their
-            # biases (heads, head_dim) as (3, D): the attention layer's head-aligned layout.
-            if rest == "attention/qkv_kernel":
-                value = np.stack([take(f"{attention}/{n}/kernel").reshape(shape[0], -1) for n in _QKV], axis=1)
-            elif rest == "attention/qkv_bias":
-                value = np.stack([take(f"{attention}/{n}/bias").reshape(-1) for n in _QKV])
-            elif rest == "attention/output_kernel":
-                kernel = take(f"{attention}/out/kernel")
-                value = kernel.reshape(-1, kernel.shape[-1])
-            else:
-                theirs = _BLOCK_BY_PATH.get(rest)
-                if theirs is None:
-                    raise CheckpointError(f"No checkpoint key is known for the model weight {path!r}.")
-                value = take(prefix + theirs)
+            theirs = _BLOCK_BY_PATH.get(rest)
+            if theirs is None:
+                raise CheckpointError(f"No checkpoint key is known for the model weight {path!r}.")
+            value = take(prefix + theirs)
         else:
             theirs = _TOP_LEVEL_BY_PATH.get(path)
             if theirs is None:
@@ -347,14 +402,16 @@ def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicub
             if path.startswith("head/") and theirs not in params:
                 notes.append(f"The checkpoint has no head: {path} left as initialised.")
                 continue
+            if theirs == _POSEMB and theirs not in params:
+                raise CheckpointError(
+                    f"The checkpoint has no position embeddings ({_POSEMB!r} or big_vision's 'pos_embedding'): "
+                    "it was trained with fixed 2-D sin-cos ones. Build the model with "
+                    "position_embedding='sincos2d'."
+                )
             value = take(theirs)
             if path == "patch_encoder/position_embedding":
-                has_class_token = "patch_encoder/class_token" in target_shapes
-                checkpoint_class_token = "cls" in params
-                if checkpoint_class_token and not has_class_token:
+                if "cls" in params and not has_class_token:
                     value = value[:, 1:]
-                    notes.append("The checkpoint's class token (and its position) dropped: the model pools with 'gap'.")
-                    used.add("cls")
                 patches = grid_size[0] * grid_size[1]
                 if value.shape[1] - has_class_token != patches and value.shape[-1] == shape[-1]:
                     notes.append(
@@ -382,11 +439,24 @@ def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicub
             )
         weights[path] = value
 
+    if "cls" in params and not has_class_token:
+        used.add("cls")
+        notes.append("The checkpoint's class token (and its position) dropped: the model has none (classifier 'gap' or 'map').")
     unused = sorted(set(params) - used)
     dropped = [k for k in unused if k.startswith(("pre_logits/", "head/"))]
     if dropped:
         notes.append(f"Not in the model, dropped: {dropped}.")
     unexpected = [k for k in unused if k not in dropped]
+    if _POSEMB in unexpected:
+        raise CheckpointError(
+            f"The checkpoint has learned position embeddings ({_POSEMB!r}, shape {params[_POSEMB].shape}); the "
+            "model's are fixed 2-D sin-cos ones. Build it with position_embedding='learned'."
+        )
+    if any(k.startswith("MAPHead_0/") for k in unexpected):
+        raise CheckpointError(
+            f"The checkpoint has a MAP head ({[k for k in unexpected if k.startswith('MAPHead_0/')][:3]} ...); "
+            "build the model with classifier='map'."
+        )
     if unexpected:
         raise CheckpointError(
             f"The checkpoint has {len(unexpected)} key(s) the model has no place for, e.g. "
@@ -396,35 +466,23 @@ def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicub
 
 
 def to_checkpoint(weights, num_heads):
-    """The inverse of `convert_checkpoint`: {path: array} -> vit_jax names.
+    """The inverse of `convert_checkpoint`: {path: array} -> vit_jax names (the MAP head's: big_vision's).
 
     `num_heads` splits the fused attention kernels into (D, heads, head_dim).
     """
     params = {}
     for path, value in weights.items():
         block = re.match(r"^encoderblock_(\d+)/(.+)$", path)
+        attention = _attention_source(path)
         if path.startswith("resnet/"):
             layer, param = path[len("resnet/") :].rsplit("/", 1)
             if layer.split("/")[-1].startswith("gn"):
                 param = _NORM_PARAM_BY_PATH[param]
             params[layer.replace("_unit", "/unit") + "/" + param] = value
+        elif attention:
+            _write_attention(params, *attention, value, num_heads)
         elif block:
-            prefix, rest = f"Transformer/encoderblock_{block.group(1)}/", block.group(2)
-            attention = prefix + _ATTENTION
-            heads = num_heads
-            # (D, 3, D) and (3, D); the flat (D, 3D) and (3D,) of older models hold the same
-            # numbers in the same order.
-            if rest == "attention/qkv_kernel":
-                dim = value.shape[0]
-                for n, part in zip(_QKV, np.moveaxis(value.reshape(dim, 3, -1), 1, 0)):
-                    params[f"{attention}/{n}/kernel"] = part.reshape(dim, heads, dim // heads)
-            elif rest == "attention/qkv_bias":
-                for n, part in zip(_QKV, value.reshape(3, -1)):
-                    params[f"{attention}/{n}/bias"] = part.reshape(heads, -1)
-            elif rest == "attention/output_kernel":
-                params[f"{attention}/out/kernel"] = value.reshape(heads, -1, value.shape[-1])
-            else:
-                params[prefix + _BLOCK_BY_PATH[rest]] = value
+            params[f"Transformer/encoderblock_{block.group(1)}/" + _BLOCK_BY_PATH[block.group(2)]] = value
         else:
             params[_TOP_LEVEL_BY_PATH[path]] = value
     return params
@@ -548,10 +606,11 @@ def _rebuild(model, image_size=None, head=None):
 def set_image_size(model, image_size, interpolation="bicubic"):
     """A new model at another resolution with the same weights.
 
-    The position embeddings are resampled to the new patch grid (see
-    `resample_position_embeddings`); every other weight is copied.  Fine-tune
-    at the new size: resampling alone costs accuracy (about 9.5% top-1 from
-    384 to 224 px, google-research/vision_transformer issue 6).
+    Learned position embeddings are resampled to the new patch grid (see
+    `resample_position_embeddings`), fixed sin-cos ones are computed for it;
+    every other weight is copied.  Fine-tune at the new size: resampling alone
+    costs accuracy (about 9.5% top-1 from 384 to 224 px,
+    google-research/vision_transformer issue 6).
     """
     from keras_vit.layers import PatchEncoder
 
@@ -562,9 +621,10 @@ def set_image_size(model, image_size, interpolation="bicubic"):
     new_model, pairs = _rebuild(model, image_size)
     for old, new in pairs:
         values = old.get_weights()
-        if isinstance(old, PatchEncoder):
-            values[-1] = resample_position_embeddings(
-                values[-1], new.grid_size, interpolation,
+        if isinstance(old, PatchEncoder) and old.position_embedding_type == "learned":
+            index = next(i for i, w in enumerate(old.weights) if w is old.position_embedding)
+            values[index] = resample_position_embeddings(
+                values[index], new.grid_size, interpolation,
                 old_grid=old.grid_size, num_prefix_tokens=int(old.use_class_token),
             )
         new.set_weights(values)

@@ -82,6 +82,14 @@ def count_flops(
         + 2 * 2 * tokens * dim * mlp  # MLP
     )
     flops += config.num_layers * per_layer
+    if classifier == "map":
+        flops += (
+            2 * dim * dim  # the probe's query
+            + 2 * patches * dim * 2 * dim  # keys and values of the tokens
+            + 2 * 2 * patches * dim  # one query's logits and weighted sum, all heads
+            + 2 * dim * dim  # attention output
+            + 2 * 2 * dim * mlp  # MLP
+        )
     width_in = dim
     if representation_size:
         flops += 2 * dim * representation_size

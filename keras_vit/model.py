@@ -6,11 +6,11 @@ Layer names are stable; the checkpoint converters map onto them:
 |---|---|---|
 | `rescaling` (if `include_rescaling`) | none | pixels / 127.5 - 1 |
 | `resnet` (hybrids only) | see `keras_vit.resnet` | `conv_root`, `gn_root`, `block{s}/unit{u}/*` |
-| `patch_encoder` | `kernel`, `bias`, `class_token`, `position_embedding` | `embedding/*`, `cls`, `Transformer/posembed_input/pos_embedding` |
+| `patch_encoder` | `kernel`, `bias`, `class_token`, `position_embedding` (if learned) | `embedding/*`, `cls`, `Transformer/posembed_input/pos_embedding` |
 | `embedding_dropout` | none | dropout after the position embeddings |
 | `encoderblock_{i}` (i = 0 .. L-1) | see `TransformerBlock` | `Transformer/encoderblock_{i}/*` |
 | `encoder_norm` | `gamma`, `beta` | `Transformer/encoder_norm/{scale,bias}` |
-| `pooling` | none | class token or mean of the tokens |
+| `pooling` | none; `MAPHead`'s (classifier "map") | class token or mean of the tokens; `MAPHead_0/*` |
 | `pre_logits` (if `representation_size`) | `kernel`, `bias` | `pre_logits/*` |
 | `head` (if `num_classes`) | `kernel`, `bias` | `head/*` |
 
@@ -29,7 +29,8 @@ from keras_vit.layers.core import gelu_activation
 from keras_vit.resnet import ResNetStem
 from keras_vit.variants import parse_variant, to_pair
 
-CLASSIFIERS = ("token", "gap")
+CLASSIFIERS = ("token", "gap", "map")
+POSITION_EMBEDDINGS = vit_layers.PatchEncoder.POSITION_EMBEDDINGS
 
 
 def _check_optional_positive(name, value):
@@ -61,6 +62,7 @@ def build_vit(
     head_kernel_initializer="zeros",
     patch_projection="conv",
     gelu="exact",
+    position_embedding="learned",
     name=None,
     **overrides,
 ):
@@ -72,8 +74,9 @@ def build_vit(
         image_size: int or (height, width), each divisible by the patch size.
         num_classes: width of the classification head; None or 0 returns the
             pooled (pre-logits) features instead: a backbone.
-        classifier: "token" (the class token) or "gap" (mean of the patch
-            tokens; the model then has no class token).
+        classifier: "token" (the class token), "gap" (mean of the patch
+            tokens) or "map" (big_vision's multi-head attention pooling,
+            `MAPHead`); with "gap" and "map" the model has no class token.
         representation_size: if set, a Dense + tanh "pre-logits" layer of this
             width before the head (used when pre-training on ImageNet-21k).
         dropout_rate: dropout after the embeddings, the attention and in the MLPs.
@@ -91,6 +94,9 @@ def build_vit(
             approximation the original implementation and big_vision compute
             (Flax's `nn.gelu`): build with "tanh" to reproduce an original
             checkpoint's outputs to float precision.
+        position_embedding: "learned" (the paper's) or "sincos2d" (fixed 2-D
+            sin-cos embeddings computed from the patch grid, big_vision's
+            "Better plain ViT baselines"; no weights, hidden_dim a multiple of 4).
         name: model name, by default derived from the variant ("vit_b16").
         **overrides: `hidden_dim`, `num_layers`, `num_heads`, `mlp_dim`,
             `patch_size`; they win over the variant's table entry.
@@ -116,6 +122,11 @@ def build_vit(
     if classifier not in CLASSIFIERS:
         raise ValueError(
             f"`classifier` must be one of {CLASSIFIERS}. Received: classifier={classifier!r}"
+        )
+    if position_embedding not in POSITION_EMBEDDINGS:
+        raise ValueError(
+            f"`position_embedding` must be one of {POSITION_EMBEDDINGS}. Received: "
+            f"position_embedding={position_embedding!r}"
         )
     num_classes = _check_optional_positive("num_classes", num_classes)
     representation_size = _check_optional_positive("representation_size", representation_size)
@@ -143,6 +154,7 @@ def build_vit(
         config.patch_size,
         use_class_token=classifier == "token",
         projection=patch_projection,
+        position_embedding=position_embedding,
         name="patch_encoder",
     )(x)
     x = vit_layers.Dropout(dropout_rate, name="embedding_dropout")(x)
@@ -158,7 +170,10 @@ def build_vit(
             name=f"encoderblock_{i}",
         )(x)
     x = vit_layers.LayerNormalization(epsilon=1e-6, name="encoder_norm")(x)
-    x = vit_layers.TokenPooling(classifier, name="pooling")(x)
+    if classifier == "map":
+        x = vit_layers.MAPHead(config.num_heads, config.mlp_dim, gelu=gelu, name="pooling")(x)
+    else:
+        x = vit_layers.TokenPooling(classifier, name="pooling")(x)
     if representation_size:
         x = keras.layers.Dense(representation_size, activation="tanh", name="pre_logits")(x)
     if num_classes:

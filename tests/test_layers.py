@@ -20,6 +20,7 @@ LAYER_CASES = [
         (2, 8, 12, 3),
         3,
     ),
+    (vit_layers.PatchEncoder, dict(hidden_dim=8, patch_size=(4, 2), position_embedding="sincos2d"), (2, 8, 12, 3), 3),
     (vit_layers.MultiHeadSelfAttention, dict(num_heads=2, dropout_rate=0.1, seed=3), (2, 5, 8), 4),
     (
         vit_layers.TransformerBlock,
@@ -37,6 +38,7 @@ LAYER_CASES = [
     ),
     (vit_layers.TransformerBlock, dict(num_heads=2, mlp_dim=16, gelu="tanh"), (2, 5, 8), 12),
     (vit_layers.TokenPooling, dict(method="gap"), (2, 5, 8), 0),
+    (vit_layers.MAPHead, dict(num_heads=2, mlp_dim=16, gelu="tanh", layer_norm_epsilon=1e-5), (2, 5, 8), 13),
     (vit_layers.Dropout, dict(rate=0.2, seed=4), (2, 5, 8), 0),
     (vit_layers.Dense, dict(units=6, activation="gelu"), (2, 5, 8), 2),
     (vit_layers.LayerNormalization, dict(epsilon=1e-6), (2, 5, 8), 2),
@@ -141,6 +143,11 @@ def test_stochastic_depth_drops_whole_samples_in_training_only():
         (lambda: vit_layers.TransformerBlock(2, 0), r"mlp_dim=0"),
         (lambda: vit_layers.TransformerBlock(2, 8, gelu="erf"), r"gelu='erf'"),
         (lambda: vit_layers.TokenPooling("max"), r"method='max'"),
+        (lambda: vit_layers.PatchEncoder(8, 4, position_embedding="fixed"), r"position_embedding='fixed'"),
+        (lambda: vit_layers.PatchEncoder(10, 4, position_embedding="sincos2d"), r"multiple of 4.*hidden_dim=10"),
+        (lambda: vit_layers.PatchEncoder(4, 4, position_embedding="sincos2d"), r"at least 8.*hidden_dim=4"),
+        (lambda: vit_layers.MAPHead(0, 8), r"num_heads=0"),
+        (lambda: vit_layers.MAPHead(2, 8, gelu="fast"), r"gelu='fast'"),
     ],
 )
 def test_layer_constructor_errors(make, pattern):
@@ -153,6 +160,8 @@ def test_layer_build_errors():
         vit_layers.PatchEncoder(8, 4)(np.zeros((1, 10, 12, 3), "float32"))
     with pytest.raises(ValueError, match=r"divisible by `num_heads`.*num_heads=3"):
         vit_layers.MultiHeadSelfAttention(3)(np.zeros((1, 4, 8), "float32"))
+    with pytest.raises(ValueError, match=r"MAPHead.*input_shape=\(1, 4, 8\), num_heads=3"):
+        vit_layers.MAPHead(3, 8)(np.zeros((1, 4, 8), "float32"))
 
 
 def _straightforward_block(block, hidden):
@@ -288,3 +297,115 @@ def test_transformer_block_gelu_option(gelu, function):
     x = rng.normal(0.0, 1.0, (2, 5, 8)).astype("float32")
     expected = function(x.astype(np.float64) @ dense.kernel.numpy() + dense.bias.numpy())
     np.testing.assert_allclose(keras.ops.convert_to_numpy(dense(x)), expected, atol=1e-5)
+
+
+# === Fixed 2-D sin-cos position embeddings ===
+
+
+def numpy_posemb_sincos_2d(h, w, width, temperature=10_000.0):
+    """big_vision's `posemb_sincos_2d` (big_vision/models/vit.py) in NumPy: y, x = mgrid[:h, :w],
+    omega = 1 / temperature ** (arange(width // 4) / (width // 4 - 1)), the outer products of the
+    flattened x and y with omega, concatenated as [sin(x), cos(x), sin(y), cos(y)]."""
+    y, x = np.mgrid[:h, :w]
+    omega = np.arange(width // 4) / (width // 4 - 1)
+    omega = 1.0 / temperature**omega
+    y = np.einsum("m,d->md", y.flatten(), omega)
+    x = np.einsum("m,d->md", x.flatten(), omega)
+    return np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1)[None]
+
+
+@pytest.mark.parametrize("grid, width", [((4, 4), 16), ((3, 5), 8), ((7, 2), 64)])
+def test_sincos_position_embeddings_are_big_visions_formula(grid, width):
+    got = vit_layers.sincos_position_embedding(grid, width)
+    assert got.dtype == np.float32 and got.shape == (grid[0] * grid[1], width)
+    np.testing.assert_allclose(got[None], numpy_posemb_sincos_2d(*grid, width), atol=1e-6)
+
+
+@pytest.mark.parametrize("use_class_token", [True, False])
+def test_sincos_patch_encoder_adds_the_fixed_embeddings(use_class_token):
+    """Rectangular grid (2 x 6 patches): the tokens of a zero projection are the embeddings
+    themselves, the class token (zero) gets no position, and nothing of it is a weight."""
+    encoder = vit_layers.PatchEncoder(16, (4, 2), use_class_token=use_class_token, position_embedding="sincos2d")
+    images = random_images((2, 8, 12, 3))
+    encoder.build(images.shape)
+    assert [w.name for w in encoder.weights] == ["kernel", "bias"] + ["class_token"] * use_class_token
+    encoder.kernel.assign(np.zeros(encoder.kernel.shape))
+    expected = numpy_posemb_sincos_2d(2, 6, 16)
+    if use_class_token:
+        expected = np.concatenate([np.zeros((1, 1, 16)), expected], axis=1)
+    tokens = keras.ops.convert_to_numpy(encoder(images))
+    np.testing.assert_allclose(tokens, np.repeat(expected, 2, axis=0), atol=1e-6)
+    np.testing.assert_allclose(encoder.position_embedding, expected, atol=1e-6)
+
+
+# === MAP head ===
+
+
+def numpy_map_head(tokens, params, gelu):
+    """big_vision's MAPHead in float64, from its checkpoint arrays (`MAPHead_0/` stripped): a probe
+    (1, 1, D); per-head attention from the probe to the tokens with query/key/value kernels
+    (D, heads, head_dim), biases (heads, head_dim), output kernel (heads, head_dim, D); then
+    x + MLP(LayerNorm(x)) with Flax's epsilon 1e-6; the probe's output."""
+    from tests import numpy_vit
+
+    tokens = np.asarray(tokens, np.float64)
+    attention = "MultiHeadDotProductAttention_0/"
+    probe = np.repeat(params["probe"], len(tokens), axis=0)
+    heads = params[attention + "query/kernel"].shape[1]
+    x = np.zeros_like(probe) + params[attention + "out/bias"]
+    for h in range(heads):
+        q = probe @ params[attention + "query/kernel"][:, h] + params[attention + "query/bias"][h]
+        k = tokens @ params[attention + "key/kernel"][:, h] + params[attention + "key/bias"][h]
+        v = tokens @ params[attention + "value/kernel"][:, h] + params[attention + "value/bias"][h]
+        a = numpy_vit.softmax(q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1]))
+        x += (a @ v) @ params[attention + "out/kernel"][h]
+    y = numpy_vit.layer_norm(x, params["LayerNorm_0/scale"], params["LayerNorm_0/bias"])
+    y = gelu(y @ params["MlpBlock_0/Dense_0/kernel"] + params["MlpBlock_0/Dense_0/bias"])
+    x = x + y @ params["MlpBlock_0/Dense_1/kernel"] + params["MlpBlock_0/Dense_1/bias"]
+    return x[:, 0]
+
+
+def random_map_head_params(rng, dim, heads, mlp_dim):
+    """Arrays named and shaped as big_vision's MAPHead's (`MAPHead_0/` stripped)."""
+    head_dim = dim // heads
+    shapes = {"probe": (1, 1, dim), "LayerNorm_0/scale": (dim,), "LayerNorm_0/bias": (dim,)}
+    for name in ("query", "key", "value"):
+        shapes[f"MultiHeadDotProductAttention_0/{name}/kernel"] = (dim, heads, head_dim)
+        shapes[f"MultiHeadDotProductAttention_0/{name}/bias"] = (heads, head_dim)
+    shapes["MultiHeadDotProductAttention_0/out/kernel"] = (heads, head_dim, dim)
+    shapes["MultiHeadDotProductAttention_0/out/bias"] = (dim,)
+    for i, (fan_in, fan_out) in enumerate([(dim, mlp_dim), (mlp_dim, dim)]):
+        shapes[f"MlpBlock_0/Dense_{i}/kernel"] = (fan_in, fan_out)
+        shapes[f"MlpBlock_0/Dense_{i}/bias"] = (fan_out,)
+    return {key: rng.normal(0.0, 0.3, shape) + (key == "LayerNorm_0/scale") for key, shape in shapes.items()}
+
+
+def map_head_params(dim, mlp_dim):
+    """The parameters of big_vision's MAPHead: probe, query/key/value/out kernels and biases, the
+    LayerNorm's scale and bias, the MLP's two kernels and biases."""
+    return dim + 4 * (dim * dim + dim) + 2 * dim + (dim * mlp_dim + mlp_dim) + (mlp_dim * dim + dim)
+
+
+@pytest.mark.parametrize("gelu, function", [("exact", numpy_gelu_exact), ("tanh", numpy_gelu_tanh)])
+def test_map_head_matches_numpy_reference(gelu, function):
+    from keras_vit import checkpoints
+
+    dim, heads, mlp_dim = 16, 4, 24
+    rng = np.random.default_rng(2)
+    params = random_map_head_params(rng, dim, heads, mlp_dim)
+    assert sum(v.size for v in params.values()) == map_head_params(dim, mlp_dim)
+    head = vit_layers.MAPHead(heads, mlp_dim, gelu=gelu)
+    tokens = rng.normal(0.0, 1.0, (3, 7, dim)).astype("float32")
+    head.build(tokens.shape)
+    assert head.count_params() == map_head_params(dim, mlp_dim)
+    # The checkpoint converter's mapping (big_vision names -> this layer's weights).
+    shapes = {f"pooling/{w.path.split('/', 1)[1]}": tuple(w.shape) for w in head.weights}
+    canonical = {f"MAPHead_0/{key}": value for key, value in params.items()}
+    weights, _ = checkpoints.convert_checkpoint(canonical, shapes, (1, 1))
+    for weight in head.weights:
+        weight.assign(weights[f"pooling/{weight.path.split('/', 1)[1]}"])
+    expected = numpy_map_head(tokens, params, function)
+    got = keras.ops.convert_to_numpy(head(tokens))
+    assert got.shape == (3, dim)
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert np.ptp(expected, axis=0).max() > 0.1  # The probe's output depends on the tokens.

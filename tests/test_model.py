@@ -83,6 +83,8 @@ def test_without_rescaling_the_model_takes_normalised_inputs():
         dict(classifier="gap", representation_size=8, dropout_rate=0.1, stochastic_depth_rate=0.1),
         dict(num_classes=None, attention_dropout_rate=0.1),
         dict(gelu="tanh"),
+        dict(position_embedding="sincos2d"),
+        dict(classifier="map", position_embedding="sincos2d", gelu="tanh"),
     ],
 )
 def test_keras_save_and_reload_is_exact(tmp_path, kwargs):
@@ -99,7 +101,7 @@ def test_keras_save_and_reload_is_exact(tmp_path, kwargs):
     assert json.loads(json.dumps(restored.get_config())) == json.loads(json.dumps(model.get_config()))
 
 
-@pytest.mark.parametrize("classifier", ["token", "gap"])
+@pytest.mark.parametrize("classifier", ["token", "gap", "map"])
 def test_every_trainable_weight_receives_a_gradient(classifier):
     model = small_vit(classifier=classifier, representation_size=8)
     images = random_images((4, 8, 12, 3))
@@ -190,6 +192,8 @@ def test_xla_compiled_train_step_runs_and_learns():
         (dict(classifier="cls"), r"classifier='cls'"),
         (dict(dropout_rate=1.0), r"dropout_rate=1.0"),
         (dict(gelu="approximate"), r"gelu='approximate'"),
+        (dict(position_embedding="fixed"), r"position_embedding='fixed'"),
+        (dict(position_embedding="sincos2d"), r"multiple of 4.*hidden_dim=10"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, pattern):
@@ -324,3 +328,96 @@ def test_files_saved_with_the_flat_qkv_layout_load_exactly(tmp_path):
         store = {key: value[()] for key, value in f["layers/transformer_block/attention/vars"].items()}
     with pytest.raises(ValueError, match=r"\(16, 48\)"):
         keras.layers.Layer.load_own_variables(fresh.get_layer("encoderblock_0").attention, store)
+
+
+# === Fixed 2-D sin-cos position embeddings and the MAP head ===
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap"])
+def test_sincos_model_is_the_learned_model_with_big_visions_embeddings(classifier):
+    """A sincos2d model computes what a learned-embedding model (itself checked against the NumPy
+    reference) computes with its position embeddings set to big_vision's formula, on a rectangular
+    grid; the class token gets no position."""
+    from tests.test_layers import numpy_posemb_sincos_2d
+
+    fixed = randomize_weights(small_vit(classifier=classifier, position_embedding="sincos2d"))
+    learned = small_vit(classifier=classifier)
+    posemb = numpy_posemb_sincos_2d(2, 3, 16)
+    if classifier == "token":
+        posemb = np.concatenate([np.zeros((1, 1, 16)), posemb], axis=1)
+    by_name = {v.path: v for v in fixed.weights}
+    for weight in learned.weights:
+        source = posemb if weight.path == "patch_encoder/position_embedding" else by_name[weight.path]
+        weight.assign(keras.ops.convert_to_numpy(source).astype("float32"))
+    images = random_images((3, 8, 12, 3))
+    np.testing.assert_allclose(fixed.predict(images, verbose=0), learned.predict(images, verbose=0), atol=1e-5)
+    # No weight: the learned model has exactly the embeddings' parameters more.
+    assert learned.count_params() - fixed.count_params() == posemb.size
+
+
+def test_map_model_pools_the_encoder_tokens_with_the_map_head():
+    from tests.test_layers import numpy_map_head
+
+    model = randomize_weights(small_vit(classifier="map", gelu="tanh"))
+    assert model.get_layer("patch_encoder").use_class_token is False
+    images = random_images((3, 8, 12, 3))
+    tokens = keras.Model(model.inputs, model.get_layer("encoder_norm").output).predict(images, verbose=0)
+    assert tokens.shape == (3, 6, 16)  # No class token.
+    from keras_vit import checkpoints
+
+    weights = {v.path: keras.ops.convert_to_numpy(v) for v in model.weights if v.path.startswith("pooling/")}
+    params = checkpoints.to_checkpoint(weights, SMALL["num_heads"])
+    params = {key[len("MAPHead_0/") :]: value.astype(np.float64) for key, value in params.items()}
+    tanh = lambda x: 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))  # noqa: E731
+    head = model.get_layer("head")
+    expected = numpy_map_head(tokens, params, tanh) @ head.kernel.numpy() + head.bias.numpy()
+    np.testing.assert_allclose(model.predict(images, verbose=0), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_parameter_counts_of_the_better_plain_vit_models():
+    """S/16 with fixed position embeddings: the GAP model (big_vision's "Better plain ViT baselines")
+    has the GAP count less the learned embeddings; the MAP model adds big_vision's MAPHead."""
+    from tests.test_layers import map_head_params
+    from tests.test_variants import PARAMS_GAP
+
+    posemb = 196 * 384
+    gap = keras_vit.build_vit("S/16", classifier="gap", position_embedding="sincos2d")
+    assert gap.count_params() == PARAMS_GAP["S/16"] - posemb == 21_974_632
+    mapped = keras_vit.build_vit("S/16", classifier="map", position_embedding="sincos2d")
+    assert mapped.count_params() == PARAMS_GAP["S/16"] - posemb + map_head_params(384, 1536)
+    keras.backend.clear_session()
+
+
+@pytest.mark.parametrize("kwargs", [dict(classifier="map"), dict(classifier="map", position_embedding="sincos2d")])
+def test_map_and_sincos_models_through_the_model_utilities(kwargs):
+    """set_image_size (sin-cos embeddings computed for the new grid, not resampled), replace_head,
+    freeze_backbone, count_flops, the layout map and the attention maps work for these options."""
+    from keras_vit import parallel, visualize
+    from tests.test_flops import graph_flops
+    from tests.test_layers import numpy_posemb_sincos_2d
+
+    model = randomize_weights(small_vit(**kwargs))
+    bigger = keras_vit.set_image_size(model, (12, 16))
+    encoder = bigger.get_layer("patch_encoder")
+    if kwargs.get("position_embedding") == "sincos2d":
+        np.testing.assert_allclose(encoder.position_embedding, numpy_posemb_sincos_2d(3, 4, 16), atol=1e-6)
+    direct = small_vit(image_size=(12, 16), **kwargs)
+    direct.set_weights(bigger.get_weights())
+    images = random_images((2, 12, 16, 3))
+    np.testing.assert_array_equal(bigger.predict(images, verbose=0), direct.predict(images, verbose=0))
+    for key, value in {v.path: v.numpy() for v in model.weights}.items():
+        if key != "patch_encoder/position_embedding":
+            np.testing.assert_array_equal({v.path: v.numpy() for v in bigger.weights}[key], value, err_msg=key)
+
+    new = keras_vit.freeze_backbone(keras_vit.replace_head(model, 3))
+    assert [w.path for w in new.trainable_weights] == ["head/kernel", "head/bias"]
+    args = dict(image_size=(8, 12), num_classes=5, **SMALL, **kwargs)
+    args.pop("position_embedding", None)
+    assert keras_vit.count_flops("testing", **args) == graph_flops(model, (8, 12))
+
+    mesh = keras.distribution.DeviceMesh((1, 1), ["batch", "model"], ["cpu:0"])
+    assert parallel.get_layout_map(mesh, config=model)["pooling/key_value_kernel"] is None  # replicated
+    attentions = visualize.attention_weights(model, random_images((2, 8, 12, 3)))
+    assert attentions.shape == (2, 2, 4, 6, 6)
+    np.testing.assert_allclose(attentions.sum(-1), 1.0, atol=1e-5)
+    assert visualize.position_embedding_similarity(model).shape == (2, 3, 2, 3)

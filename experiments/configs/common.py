@@ -41,6 +41,9 @@ def get_base_config():
     config.model.dropout_rate = 0.0
     config.model.attention_dropout_rate = 0.0
     config.model.stochastic_depth_rate = 0.0
+    # "learned" or "sincos2d" (fixed 2-D sin-cos); the MLPs' GELU, "exact" or "tanh" (the original code's).
+    config.model.position_embedding = "learned"
+    config.model.gelu = "exact"
 
     # Transfer learning: an original-format .npz (local or gs://) to start from,
     # and whether to train the head alone.

@@ -7,20 +7,22 @@ computed on each platform is `keras_vit.kernels`' business.
 
 - `Patches`, `PatchEncoder` (`embedding`): eq. 1.
 - `MultiHeadSelfAttention` (`attention`): eq. 2's MSA, appendix A.
-- `TransformerBlock`, `TokenPooling` (`encoder`): eq. 2-4.
+- `TransformerBlock`, `TokenPooling`, `MAPHead` (`encoder`): eq. 2-4, and
+  big_vision's multi-head attention pooling.
 - `Dense`, `LayerNormalization`, `Dropout` (`core`): Keras' layers computed by the kernels.
 """
 
 from keras_vit.layers.attention import MultiHeadSelfAttention
 from keras_vit.layers.common import register
 from keras_vit.layers.core import Dense, Dropout, LayerNormalization
-from keras_vit.layers.embedding import PatchEncoder, Patches, extract_patches
-from keras_vit.layers.encoder import TokenPooling, TransformerBlock
+from keras_vit.layers.embedding import PatchEncoder, Patches, extract_patches, sincos_position_embedding
+from keras_vit.layers.encoder import MAPHead, TokenPooling, TransformerBlock
 
 __all__ = [
     "Dense",
     "Dropout",
     "LayerNormalization",
+    "MAPHead",
     "MultiHeadSelfAttention",
     "PatchEncoder",
     "Patches",
@@ -28,4 +30,5 @@ __all__ = [
     "TransformerBlock",
     "extract_patches",
     "register",
+    "sincos_position_embedding",
 ]

@@ -1,12 +1,10 @@
 """Multi-head self-attention (paper eq. 2 and appendix A, eq. 5-8)."""
 
-import math
-
 import keras
 import numpy as np
 
 from keras_vit import kernels
-from keras_vit.layers.common import check_positive_int, check_rate, register
+from keras_vit.layers.common import add_stacked_projections, check_positive_int, check_rate, register
 from keras_vit.layers.core import Dropout
 
 
@@ -60,16 +58,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
                 "The input width must be divisible by `num_heads`. Received: input_shape="
                 f"{tuple(input_shape)}, num_heads={self.num_heads}"
             )
-        # Glorot-uniform as if q, k and v were three (hidden, hidden) kernels: the
-        # limit sqrt(6 / (hidden + hidden)). Keras' fans of a 3-D kernel would count
-        # the first axis as a receptive field.
-        limit = math.sqrt(3.0 / hidden)
-        self.qkv_kernel = self.add_weight(
-            name="qkv_kernel",
-            shape=(hidden, 3, hidden),
-            initializer=keras.initializers.RandomUniform(-limit, limit),
-        )
-        self.qkv_bias = self.add_weight(name="qkv_bias", shape=(3, hidden), initializer="zeros")
+        self.qkv_kernel, self.qkv_bias = add_stacked_projections(self, "qkv", 3, hidden)
         self.output_kernel = self.add_weight(
             name="output_kernel", shape=(hidden, hidden), initializer="glorot_uniform"
         )

@@ -1,4 +1,6 @@
-"""What the layers share: registration for saving and argument checks."""
+"""What the layers share: registration for saving, argument checks, stacked projections."""
+
+import math
 
 import keras
 
@@ -17,3 +19,21 @@ def check_positive_int(name, value):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     return value
+
+
+def add_stacked_projections(layer, name, count, hidden):
+    """Creates `count` (hidden, hidden) projections stacked on the middle axis: `<name>_kernel`
+    (hidden, count, hidden) and `<name>_bias` (count, hidden), in that order; returns both.
+
+    The kernel is Glorot-uniform as if each projection were its own (hidden, hidden) kernel: the
+    limit sqrt(6 / (hidden + hidden)). Keras' fans of a 3-D kernel would count the first axis as a
+    receptive field.
+    """
+    limit = math.sqrt(3.0 / hidden)
+    kernel = layer.add_weight(
+        name=f"{name}_kernel",
+        shape=(hidden, count, hidden),
+        initializer=keras.initializers.RandomUniform(-limit, limit),
+    )
+    bias = layer.add_weight(name=f"{name}_bias", shape=(count, hidden), initializer="zeros")
+    return kernel, bias

@@ -5,6 +5,7 @@ like the original checkpoints' `embedding/kernel`.
 """
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_vit.layers.common import check_positive_int, register
@@ -43,6 +44,41 @@ def extract_patches(images, patch_size, grid_size):
     x = ops.reshape(images, (-1, gh, ph, gw, pw, channels))
     x = ops.transpose(x, (0, 1, 3, 2, 4, 5))
     return ops.reshape(x, (-1, gh * gw, ph * pw * channels))
+
+
+def sincos_position_embedding(grid_size, hidden_dim, temperature=10_000.0):
+    """Fixed 2-D sin-cos position embeddings, (grid_h * grid_w, hidden_dim) float32.
+
+    The form of big_vision's `posemb_sincos_2d` (after MoCo v3; used by "Better
+    plain ViT baselines", Beyer et al. 2022): with y, x the row and column of a
+    patch and omega_i = temperature^(-i / (hidden_dim / 4 - 1)) for i = 0 ..
+    hidden_dim / 4 - 1, a patch's embedding is [sin(x omega), cos(x omega),
+    sin(y omega), cos(y omega)]. Rows in row-major order over the grid, as the
+    patches.
+
+    >>> embeddings = sincos_position_embedding((2, 3), 8)
+    >>> embeddings.shape
+    (6, 8)
+    >>> embeddings[0].tolist()  # row 0, column 0: sin 0 and cos 0
+    [0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    """
+    check_sincos_width(hidden_dim)
+    y, x = np.meshgrid(np.arange(grid_size[0]), np.arange(grid_size[1]), indexing="ij")
+    quarter = hidden_dim // 4
+    omega = 1.0 / temperature ** (np.arange(quarter) / (quarter - 1))
+    x = x.reshape(-1, 1) * omega
+    y = y.reshape(-1, 1) * omega
+    return np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1).astype("float32")
+
+
+def check_sincos_width(hidden_dim):
+    """A ValueError unless 2-D sin-cos embeddings exist for this width: a multiple of 4, at least 8."""
+    if hidden_dim % 4 or hidden_dim < 8:
+        raise ValueError(
+            "Fixed 2-D sin-cos position embeddings need a hidden width that is a multiple of 4 and at "
+            "least 8 (a quarter per sin/cos of the row/column, with two or more frequencies each). "
+            f"Received: hidden_dim={hidden_dim}"
+        )
 
 
 @register
@@ -84,8 +120,11 @@ class PatchEncoder(keras.layers.Layer):
     """Patch embedding, class token and position embeddings (paper eq. 1).
 
     Projects each PxP patch linearly to `hidden_dim`, prepends a learnable
-    class token (zeros at init) when `use_class_token`, and adds learnable
-    position embeddings (N(0, 0.02) at init).
+    class token (zeros at init) when `use_class_token`, and adds position
+    embeddings: learnable ones (N(0, 0.02) at init), or fixed 2-D sin-cos ones
+    computed from the patch grid (`sincos_position_embedding`; the class
+    token then gets none, as in big_vision). Fixed ones are no weight: at
+    another image size they are computed for the new grid, not resampled.
 
     Args:
         hidden_dim: D, the width of the tokens.
@@ -96,10 +135,14 @@ class PatchEncoder(keras.layers.Layer):
             `kernel`; which is faster depends on the platform and on XLA
             (`python -m experiments.benchmark --mode=patch_projection`).
         kernel_initializer: initializer of the projection kernel.
+        position_embedding: "learned" or "sincos2d" (fixed; hidden_dim a
+            multiple of 4, at least 8).
 
     Weights: `kernel` (patch_h, patch_w, channels, hidden_dim), `bias`
     (hidden_dim,), `class_token` (1, 1, hidden_dim), `position_embedding`
-    (1, tokens, hidden_dim).
+    (1, tokens, hidden_dim) if learned. With "sincos2d" the attribute
+    `position_embedding` is the fixed (1, tokens, hidden_dim) NumPy array
+    (a zero row for the class token) instead.
 
     >>> encoder = PatchEncoder(hidden_dim=8, patch_size=4)
     >>> tuple(encoder(keras.ops.zeros((2, 8, 12, 3))).shape)
@@ -107,6 +150,7 @@ class PatchEncoder(keras.layers.Layer):
     """
 
     PROJECTIONS = ("conv", "matmul")
+    POSITION_EMBEDDINGS = ("learned", "sincos2d")
 
     def __init__(
         self,
@@ -115,6 +159,7 @@ class PatchEncoder(keras.layers.Layer):
         use_class_token=True,
         projection="conv",
         kernel_initializer="lecun_normal",
+        position_embedding="learned",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -127,6 +172,15 @@ class PatchEncoder(keras.layers.Layer):
             )
         self.projection = projection
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        if position_embedding not in self.POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"`position_embedding` must be one of {self.POSITION_EMBEDDINGS}. Received: "
+                f"position_embedding={position_embedding!r}"
+            )
+        if position_embedding == "sincos2d":
+            check_sincos_width(self.hidden_dim)
+        # The attribute `position_embedding` holds the embeddings themselves (built).
+        self.position_embedding_type = position_embedding
 
     def build(self, input_shape):
         self.grid_size = check_image_shape("PatchEncoder", input_shape, self.patch_size)
@@ -142,11 +196,16 @@ class PatchEncoder(keras.layers.Layer):
             self.class_token = self.add_weight(
                 name="class_token", shape=(1, 1, self.hidden_dim), initializer="zeros"
             )
-        self.position_embedding = self.add_weight(
-            name="position_embedding",
-            shape=(1, self.num_patches + self.use_class_token, self.hidden_dim),
-            initializer=keras.initializers.RandomNormal(stddev=0.02),
-        )
+        tokens = self.num_patches + self.use_class_token
+        if self.position_embedding_type == "learned":
+            self.position_embedding = self.add_weight(
+                name="position_embedding",
+                shape=(1, tokens, self.hidden_dim),
+                initializer=keras.initializers.RandomNormal(stddev=0.02),
+            )
+        else:
+            fixed = sincos_position_embedding(self.grid_size, self.hidden_dim)
+            self.position_embedding = np.pad(fixed, ((int(self.use_class_token), 0), (0, 0)))[None]
 
     def call(self, images):
         expected = (*(g * p for g, p in zip(self.grid_size, self.patch_size)), self.kernel.shape[2])
@@ -184,4 +243,5 @@ class PatchEncoder(keras.layers.Layer):
             "use_class_token": self.use_class_token,
             "projection": self.projection,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+            "position_embedding": self.position_embedding_type,
         }

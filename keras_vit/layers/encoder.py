@@ -1,10 +1,13 @@
 """The Transformer encoder block and the pooling of its tokens (paper eq. 2-4)."""
 
+import math
+
 import keras
 from keras import ops
 
+from keras_vit import kernels
 from keras_vit.layers.attention import MultiHeadSelfAttention
-from keras_vit.layers.common import check_positive_int, check_rate, register
+from keras_vit.layers.common import add_stacked_projections, check_positive_int, check_rate, register
 from keras_vit.layers.core import Dense, Dropout, LayerNormalization, gelu_activation
 
 
@@ -156,3 +159,102 @@ class TokenPooling(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "method": self.method}
+
+
+@register
+class MAPHead(keras.layers.Layer):
+    """Multi-head attention pooling: a learned probe attends to the tokens.
+
+    big_vision's `MAPHead` (Zhai et al. 2022, "Scaling Vision Transformers";
+    the pooling by multi-head attention of Lee et al. 2019), timm's
+    `AttentionPoolLatent`:
+
+        y = MHA(query = probe, key = value = tokens)       (one probe token)
+        y = y + MLP(LN(y)),  MLP = Dense(mlp_dim) -> GELU -> Dense(hidden)
+        output = y[:, 0]
+
+    MHA projects the probe to queries and the tokens to keys and values (with
+    biases), computes softmax(q k^T / sqrt(head_dim)) v per head (the softmax
+    in float32) and projects the heads' outputs back. No class token is
+    needed; models with classifier "map" have none.
+
+    Args:
+        num_heads: attention heads; the token width must be divisible by it.
+        mlp_dim: width of the MLP's hidden layer.
+        gelu: the MLP's GELU, "exact" or "tanh" (big_vision's).
+        layer_norm_epsilon: 1e-6, as Flax's and timm's LayerNorm.
+
+    Weights: `probe` (1, 1, hidden), `query_kernel` (hidden, hidden),
+    `query_bias` (hidden,), `key_value_kernel` (hidden, 2, hidden) and
+    `key_value_bias` (2, hidden) (the key's and the value's stacked, heads x
+    head_dim on the last axis, as `MultiHeadSelfAttention`'s), `output_kernel`
+    (hidden, hidden), `output_bias` (hidden,); sublayers `norm`, `mlp_dense_1`,
+    `mlp_dense_2`. 4 hidden^2 + 2 hidden mlp_dim + mlp_dim + 8 hidden
+    parameters, big_vision's count.
+
+    >>> head = MAPHead(num_heads=2, mlp_dim=16)
+    >>> tuple(head(keras.ops.zeros((3, 5, 8))).shape)
+    (3, 8)
+    >>> head.count_params() == 4 * 8 * 8 + 2 * 8 * 16 + 16 + 8 * 8
+    True
+    """
+
+    def __init__(self, num_heads, mlp_dim, gelu="exact", layer_norm_epsilon=1e-6, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads = check_positive_int("num_heads", num_heads)
+        self.mlp_dim = check_positive_int("mlp_dim", mlp_dim)
+        gelu_activation(gelu)
+        self.gelu = gelu
+        self.layer_norm_epsilon = float(layer_norm_epsilon)
+
+    def build(self, input_shape):
+        if len(input_shape) != 3 or input_shape[-1] is None or input_shape[-1] % self.num_heads:
+            raise ValueError(
+                "MAPHead expects tokens of shape (batch, tokens, hidden) with a static hidden width "
+                f"divisible by `num_heads`. Received: input_shape={tuple(input_shape)}, "
+                f"num_heads={self.num_heads}"
+            )
+        hidden, policy = input_shape[-1], self.dtype_policy
+        self.probe = self.add_weight(name="probe", shape=(1, 1, hidden), initializer="glorot_uniform")
+        self.query_kernel = self.add_weight(name="query_kernel", shape=(hidden, hidden), initializer="glorot_uniform")
+        self.query_bias = self.add_weight(name="query_bias", shape=(hidden,), initializer="zeros")
+        self.key_value_kernel, self.key_value_bias = add_stacked_projections(self, "key_value", 2, hidden)
+        self.output_kernel = self.add_weight(name="output_kernel", shape=(hidden, hidden), initializer="glorot_uniform")
+        self.output_bias = self.add_weight(name="output_bias", shape=(hidden,), initializer="zeros")
+        self.norm = LayerNormalization(epsilon=self.layer_norm_epsilon, dtype=policy, name="norm")
+        self.mlp_dense_1 = Dense(self.mlp_dim, activation=gelu_activation(self.gelu), dtype=policy, name="mlp_dense_1")
+        self.mlp_dense_2 = Dense(hidden, dtype=policy, name="mlp_dense_2")
+        pooled = (input_shape[0], 1, hidden)
+        self.norm.build(pooled)
+        self.mlp_dense_1.build(pooled)
+        self.mlp_dense_2.build((input_shape[0], 1, self.mlp_dim))
+
+    def call(self, tokens, training=None):
+        hidden, heads = tokens.shape[-1], self.num_heads
+        head_dim = hidden // heads
+        probe = ops.cast(self.probe, tokens.dtype)
+        probe = ops.broadcast_to(probe, (ops.shape(tokens)[0], 1, hidden))
+        query = kernels.dense(probe, self.query_kernel, self.query_bias)  # (batch, 1, hidden)
+        key_value = kernels.dense(tokens, self.key_value_kernel, self.key_value_bias)  # (batch, tokens, 2, hidden)
+        query = ops.transpose(ops.reshape(query, (-1, 1, heads, head_dim)), (0, 2, 1, 3))
+        key_value = ops.reshape(key_value, (-1, tokens.shape[1], 2, heads, head_dim))
+        key, value = ops.unstack(ops.transpose(key_value, (2, 0, 3, 1, 4)), 2, axis=0)
+        query = query * ops.cast(1.0 / math.sqrt(head_dim), query.dtype)
+        logits = ops.matmul(query, ops.swapaxes(key, -1, -2))  # (batch, heads, 1, tokens)
+        weights = ops.cast(ops.softmax(ops.cast(logits, "float32"), axis=-1), value.dtype)
+        attended = kernels.reference.merge_heads(ops.matmul(weights, value))
+        x = kernels.dense(attended, self.output_kernel, self.output_bias)
+        x = x + self.mlp_dense_2(self.mlp_dense_1(self.norm(x, training=training)))
+        return x[:, 0]
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], input_shape[-1])
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "num_heads": self.num_heads,
+            "mlp_dim": self.mlp_dim,
+            "gelu": self.gelu,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+        }
