@@ -5,15 +5,16 @@
 # implementations interleaved on the same GPU, the bfloat16 (or float32) 8192^3 matmul peak measured in
 # the same process, so "of peak" is the MFU. Rows run in the order below, most wanted first; ROWS="..."
 # picks some. ANCHORS=<path of gpu_anchors.py> also runs its timm and Flax anchors for the B/16 step.
-# Needs jax with CUDA, keras, keras-hub, timm and torch importable by $PY; WHEELS=<folder of .whl
+# Needs jax with CUDA, keras and keras-hub importable by $PY, timm and torch by $TIMM_PY (default $PY); WHEELS=<folder of .whl
 # files> installs missing ones into /tmp/site first, for a machine without a package index. Logs go to
 # $OUT (default /tmp/keras_vit-gpu).
 #
 #     bash experiments/gpu_benchmark.sh
 #     ROWS="attention b16_train" STEPS=2 REPEATS=1 bash experiments/gpu_benchmark.sh  # a quick try
+#     TINY=1 STEPS=1 REPEATS=1 bash experiments/gpu_benchmark.sh  # the script itself, on any machine
 set -u
 cd "$(dirname "$0")/.."
-PY=${PY:-python3}; OUT=${OUT:-/tmp/keras_vit-gpu}; mkdir -p "$OUT"
+PY=${PY:-python3}; TIMM_PY=${TIMM_PY:-$PY}; OUT=${OUT:-/tmp/keras_vit-gpu}; mkdir -p "$OUT"
 ROWS=${ROWS:-"attention b16_train s16_train b16_infer b16_infer_b16 l16_train b16_train_f32"}
 STEPS=${STEPS:-10}; REPEATS=${REPEATS:-3}
 # JAX takes 75% of the GPU's memory by default; the timm workers are other processes on the same GPU.
@@ -23,27 +24,30 @@ if [ -n "${WHEELS:-}" ]; then
   export PYTHONPATH=/tmp/site
 fi
 command -v nvidia-smi > /dev/null && nvidia-smi -L
-$PY -c "import jax, keras, keras_hub, timm, torch
-print('jax', jax.__version__, jax.devices(), '| keras', keras.__version__, '| keras-hub', keras_hub.__version__,
-      '| timm', timm.__version__, '| torch', torch.__version__)" || exit 1
+$PY -c "import jax, keras, keras_hub
+print('jax', jax.__version__, jax.devices(), '| keras', keras.__version__, '| keras-hub', keras_hub.__version__)" || exit 1
+$TIMM_PY -c "import timm, torch; print('timm', timm.__version__, '| torch', torch.__version__)" || exit 1
 status=0
 run() {  # log name, time limit in seconds, benchmark flags
   local name=$1 limit=$2; shift 2
   echo "=== python -m experiments.benchmark $*"
-  timeout "$limit" $PY -m experiments.benchmark "$@" > "$OUT/$name.log" 2>&1 || { echo "failed: see $OUT/$name.log"; status=1; }
+  timeout "$limit" $PY -m experiments.benchmark "$@" --timm_python="$TIMM_PY" > "$OUT/$name.log" 2>&1 || { echo "failed: see $OUT/$name.log"; status=1; }
   grep -E "^(  |[A-Z]|keras_vit|fused)" "$OUT/$name.log" | grep -v "^[IWE][0-9]" | tail -14
 }
+
 TIMED="--steps=$STEPS --repeats=$REPEATS --float32_row=false"
-BF16="--precision=mixed_bfloat16 --image_size=224"
+B16=B/16 S16=S/16 L16=L/16 SIZE=224 N256=256 N128=128 N64=64 N16=16
+if [ -n "${TINY:-}" ]; then B16=testing S16=testing L16=testing SIZE=32 N256=8 N128=4 N64=4 N16=2; fi
+BF16="--precision=mixed_bfloat16 --image_size=$SIZE"
 for row in $ROWS; do
   case $row in
-    attention) run attention 200 --mode=attention --variant=B/16 $BF16 --batch_size=64 --repeats=10 ;;
-    b16_train) run b16_train 480 --mode=train --variant=B/16 $BF16 --batch_size=256 $TIMED --compare=keras_hub,timm,timm_compiled ;;
-    s16_train) run s16_train 300 --mode=train --variant=S/16 $BF16 --batch_size=256 $TIMED --compare=timm_compiled ;;
-    b16_infer) run b16_infer 360 --mode=infer --variant=B/16 $BF16 --batch_size=256 $TIMED --compare=keras_hub,timm,timm_compiled ;;
-    b16_infer_b16) run b16_infer_b16 240 --mode=infer --variant=B/16 $BF16 --batch_size=16 --steps=40 --repeats=$REPEATS --float32_row=false --compare=keras_hub ;;
-    l16_train) run l16_train 420 --mode=train --variant=L/16 $BF16 --batch_size=128 $TIMED --compare=timm_compiled ;;
-    b16_train_f32) run b16_train_f32 420 --mode=train --variant=B/16 --precision=float32 --image_size=224 --batch_size=256 $TIMED --compare=timm_compiled ;;
+    attention) run attention 200 --mode=attention --variant=$B16 $BF16 --batch_size=$N64 --repeats=10 ;;
+    b16_train) run b16_train 480 --mode=train --variant=$B16 $BF16 --batch_size=$N256 $TIMED --compare=keras_hub,timm,timm_compiled ;;
+    s16_train) run s16_train 300 --mode=train --variant=$S16 $BF16 --batch_size=$N256 $TIMED --compare=timm_compiled ;;
+    b16_infer) run b16_infer 360 --mode=infer --variant=$B16 $BF16 --batch_size=$N256 $TIMED --compare=keras_hub,timm,timm_compiled ;;
+    b16_infer_b16) run b16_infer_b16 240 --mode=infer --variant=$B16 $BF16 --batch_size=$N16 --steps=$((4 * STEPS)) --repeats=$REPEATS --float32_row=false --compare=keras_hub ;;
+    l16_train) run l16_train 420 --mode=train --variant=$L16 $BF16 --batch_size=$N128 $TIMED --compare=timm_compiled ;;
+    b16_train_f32) run b16_train_f32 420 --mode=train --variant=$B16 --precision=float32 --image_size=$SIZE --batch_size=$N256 $TIMED --compare=timm_compiled ;;
     *) echo "unknown row $row"; status=1 ;;
   esac
 done
