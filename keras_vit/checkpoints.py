@@ -16,6 +16,9 @@ read here:
   `Transformer/encoderblock/`;
 - hybrids: `conv_root`, `gn_root`, `block{s}/unit{u}/{conv,gn}{1,2,3,_proj}`.
 
+timm's state dicts (Hugging Face hub `model.safetensors`, or the same arrays
+in an .npz) are converted to these names by `keras_vit.timm_weights`.
+
 The conversion is pure functions on dicts of NumPy arrays
 (`canonicalize`, `convert_checkpoint`, `to_checkpoint`); `load_pretrained` and
 `save_npz` only add the file and the model around them.
@@ -30,7 +33,7 @@ import zipfile
 import keras
 import numpy as np
 
-INTERPOLATIONS = ("bicubic", "bilinear", "zoom")
+INTERPOLATIONS = ("bicubic", "bicubic_antialias", "bilinear", "zoom")
 
 log = logging.getLogger("keras_vit")
 
@@ -47,6 +50,11 @@ _TOP_LEVEL = {
     "pre_logits/bias": "pre_logits/bias",
     "head/kernel": "head/kernel",
     "head/bias": "head/bias",
+    # LayerNorms no original checkpoint has: timm's norm_pre and fc_norm (build_vit's pre_norm, pooled_norm).
+    "pre_norm/scale": "pre_norm/gamma",
+    "pre_norm/bias": "pre_norm/beta",
+    "pooled_norm/scale": "pooled_norm/gamma",
+    "pooled_norm/bias": "pooled_norm/beta",
     # big_vision's MAP head (classifier "map"); its attention kernels are read by `_read_attention`.
     "MAPHead_0/probe": "pooling/probe",
     "MAPHead_0/MultiHeadDotProductAttention_0/out/bias": "pooling/output_bias",
@@ -97,18 +105,37 @@ class CheckpointError(ValueError):
 # === Reading and writing files ===
 
 
+def read_checkpoint(path):
+    """Reads an .npz or .safetensors checkpoint (local or gs:// path, told apart by their contents)
+    as a dict of arrays; nothing is unpickled."""
+    from keras_vit import timm_weights
+
+    data = _read_bytes(path)
+    if timm_weights.is_safetensors(data):
+        return timm_weights.read_safetensors(data, path)
+    return _read_npz_bytes(data, path, "nor a .safetensors file (a JSON header, then the arrays)")
+
+
 def read_npz(path):
     """Reads an .npz checkpoint (local or gs:// path) as a dict of arrays, pickling disabled."""
+    return _read_npz_bytes(_read_bytes(path), path)
+
+
+def _read_bytes(path):
     import tensorflow as tf
 
     if not tf.io.gfile.exists(path):
         raise FileNotFoundError(f"No checkpoint at {path!r}.")
     with tf.io.gfile.GFile(path, "rb") as f:
-        data = f.read()
+        return f.read()
+
+
+def _read_npz_bytes(data, path, other_format=None):
     if not zipfile.is_zipfile(io.BytesIO(data)):
         raise CheckpointError(
-            f"{path!r} is not an .npz checkpoint (a zip archive of .npy arrays); read "
-            f"{len(data)} bytes starting {data[:8]!r}. A truncated download looks like this too."
+            f"{path!r} is not an .npz checkpoint (a zip archive of .npy arrays)"
+            + (f" {other_format}" if other_format else "")
+            + f"; read {len(data)} bytes starting {data[:8]!r}. A truncated download looks like this too."
         )
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
@@ -183,8 +210,42 @@ def canonicalize(params):
 # === Position embeddings ===
 
 
+def _keys_cubic(t, a):
+    """The cubic convolution kernel of Keys (1981) with parameter `a`."""
+    t = np.abs(t)
+    return np.where(
+        t <= 1,
+        ((a + 2) * t - (a + 3)) * t * t + 1,
+        np.where(t < 2, ((a * t - 5 * a) * t + 8 * a) * t - 4 * a, 0.0),
+    )
+
+
+def _antialiased_bicubic_matrix(old, new):
+    """(new, old) matrix of PyTorch's bicubic resize with antialias=True (Pillow's resampling):
+    Keys' kernel with a = -0.5, stretched by the scale old / new when shrinking (a low-pass
+    filter), output i centred at (i + 0.5) * scale in input pixels, taps outside the input left
+    out and each row's weights normalised to sum to 1. What timm's `resample_abs_pos_embed`
+    computes (`F.interpolate(mode="bicubic", antialias=True, align_corners=False)`)."""
+    scale = old / new
+    stretch = max(scale, 1.0)
+    support = 2.0 * stretch
+    matrix = np.zeros((new, old))
+    for i in range(new):
+        center = scale * (i + 0.5)
+        # int() truncates towards zero, as the C code's casts do.
+        start = max(int(center - support + 0.5), 0)
+        stop = min(int(center + support + 0.5), old)
+        taps = np.arange(start, stop)
+        weights = _keys_cubic((taps - center + 0.5) / stretch, -0.5)
+        matrix[i, taps] = weights / weights.sum()
+    return matrix
+
+
 def _interpolation_matrix(old, new, interpolation):
-    """(new, old) matrix resampling a 1-D signal with half-pixel centres, edges clamped."""
+    """(new, old) matrix resampling a 1-D signal by `interpolation` (see `resample_position_embeddings`):
+    half-pixel centres; edges clamped, or (antialiased) taps outside left out."""
+    if interpolation == "bicubic_antialias":
+        return _antialiased_bicubic_matrix(old, new)
     matrix = np.zeros((new, old))
     source = (np.arange(new) + 0.5) * old / new - 0.5
     if interpolation == "bilinear":
@@ -196,21 +257,11 @@ def _interpolation_matrix(old, new, interpolation):
         matrix[np.arange(new), high] += frac
         return matrix
     # Bicubic convolution (Keys 1981) with a = -0.75, edge samples repeated: the
-    # kernel of PyTorch's and OpenCV's bicubic resize.
-    a = -0.75
-
-    def cubic(t):
-        t = np.abs(t)
-        return np.where(
-            t <= 1,
-            ((a + 2) * t - (a + 3)) * t * t + 1,
-            np.where(t < 2, ((a * t - 5 * a) * t + 8 * a) * t - 4 * a, 0.0),
-        )
-
+    # kernel of PyTorch's (without antialias) and OpenCV's bicubic resize.
     base = np.floor(source).astype(int)
     for offset in (-1, 0, 1, 2):
         taps = base + offset
-        np.add.at(matrix, (np.arange(new), np.clip(taps, 0, old - 1)), cubic(source - taps))
+        np.add.at(matrix, (np.arange(new), np.clip(taps, 0, old - 1)), _keys_cubic(source - taps, -0.75))
     return matrix
 
 
@@ -223,8 +274,11 @@ def resample_position_embeddings(
         posemb: (1, tokens, D) or (tokens, D): the class-token row (if any)
             followed by the patch rows in row-major order.
         new_grid: (height, width) of the new patch grid.
-        interpolation: "bicubic" (Keys, a = -0.75, as PyTorch), "bilinear"
-            (half-pixel centres, no antialias: timm's .npz loader) or "zoom"
+        interpolation: "bicubic" (Keys, a = -0.75, as PyTorch without
+            antialias), "bicubic_antialias" (PyTorch's bicubic with
+            antialias=True, as timm resamples a checkpoint's position
+            embeddings; Pillow's bicubic resize), "bilinear" (half-pixel
+            centres, no antialias: timm's .npz loader) or "zoom"
             (`scipy.ndimage.zoom`, order 1: the original implementation).
         old_grid: the checkpoint's grid; by default the square grid that fits.
         num_prefix_tokens: rows kept apart (1 for a class token); by default 1
@@ -282,10 +336,11 @@ def resample_position_embeddings(
 # === Conversion ===
 
 
-def _missing(key, params):
+def _missing(key, params, key_name=str):
     close = difflib.get_close_matches(key, list(params), n=3, cutoff=0.5)
+    close = list(dict.fromkeys(map(key_name, close)))
     return CheckpointError(
-        f"The checkpoint has no key {key!r}" + (f"; closest keys present: {close}" if close else "") + "."
+        f"The checkpoint has no key {key_name(key)!r}" + (f"; closest keys present: {close}" if close else "") + "."
     )
 
 
@@ -312,7 +367,7 @@ def _attention_source(path):
     return None
 
 
-def _read_attention(take, prefix, weight, dim):
+def _read_attention(take, prefix, weight):
     """An attention weight from the checkpoint's per-projection arrays.
 
     Kernels (D, heads, head_dim) are reshaped to (D, D) and stacked on the
@@ -325,7 +380,8 @@ def _read_attention(take, prefix, weight, dim):
         return kernel.reshape(-1, kernel.shape[-1])
     projection, kind = weight.rsplit("_", 1)
     if kind == "kernel":
-        parts = [take(f"{prefix}/{name}/kernel").reshape(dim, -1) for name in _PROJECTIONS[projection]]
+        parts = [take(f"{prefix}/{name}/kernel") for name in _PROJECTIONS[projection]]
+        parts = [part.reshape(part.shape[0], -1) for part in parts]
         return np.stack(parts, axis=1) if len(parts) > 1 else parts[0]
     parts = [take(f"{prefix}/{name}/bias").reshape(-1) for name in _PROJECTIONS[projection]]
     return np.stack(parts) if len(parts) > 1 else parts[0]
@@ -349,7 +405,42 @@ def _write_attention(params, prefix, weight, value, num_heads):
             params[f"{prefix}/{name}/bias"] = part.reshape(num_heads, -1)
 
 
-def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicubic", skip_mismatched_head=True):
+# Parts of a model that build_vit options add or remove: (checkpoint key prefix, model weight path
+# prefix, the part, the option that builds it, the option that builds without it).
+_OPTIONAL_PARTS = (
+    (_POSEMB, "patch_encoder/position_embedding", "learned position embeddings", "position_embedding='learned'",
+     "position_embedding='sincos2d' (a checkpoint without them was trained with fixed 2-D sin-cos ones)"),
+    ("MAPHead_0/", "pooling/", "a MAP head", "classifier='map'", "classifier='token' or 'gap'"),
+    ("pre_norm/", "pre_norm/", "a LayerNorm before the blocks (timm's norm_pre)", "pre_norm=True", "pre_norm=False"),
+    ("Transformer/encoder_norm/", "encoder_norm/", "a LayerNorm on the tokens before the pooling",
+     "pooled_norm=False", "pooled_norm=True"),
+    ("pooled_norm/", "pooled_norm/", "a LayerNorm after the pooling (timm's fc_norm)", "pooled_norm=True",
+     "pooled_norm=False"),
+)
+
+
+def _check_options(params, target_shapes, key_name):
+    """A CheckpointError naming the build_vit option where the checkpoint has a part the model lacks,
+    or lacks one the model has."""
+    for prefix, path_prefix, part, with_it, without_it in _OPTIONAL_PARTS:
+        in_file = [key_name(k) for k in params if k.startswith(prefix)]
+        in_model = [p for p in target_shapes if p.startswith(path_prefix)]
+        if in_file and not in_model:
+            raise CheckpointError(
+                f"The checkpoint has {part}: {list(dict.fromkeys(in_file))[:3]}, which the model lacks. Build it "
+                f"with {with_it}."
+            )
+        if in_model and not in_file:
+            wanted = next(_TOP_LEVEL_BY_PATH[p] for p in in_model if p in _TOP_LEVEL_BY_PATH)
+            raise CheckpointError(
+                f"The checkpoint has no key {key_name(wanted)!r}: the model has {part}, the checkpoint has none. "
+                f"Build it with {without_it}."
+            )
+
+
+def convert_checkpoint(
+    params, target_shapes, grid_size, *, interpolation="bicubic", skip_mismatched_head=True, key_name=str
+):
     """Maps a canonical checkpoint onto a model's weights.
 
     Args:
@@ -357,6 +448,9 @@ def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicub
         target_shapes: the model's weights, {path: shape} (e.g.
             "encoderblock_0/attention/qkv_kernel": (D, 3, D)).
         grid_size: the model's patch grid, for resampling the position embeddings.
+        interpolation, skip_mismatched_head: as for `load_pretrained`.
+        key_name: the name of a canonical key in the file, for messages
+            (e.g. `keras_vit.timm_weights.timm_key`).
 
     Returns:
         (weights, notes): {path: array} for every weight to set, and messages
@@ -366,12 +460,13 @@ def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicub
         CheckpointError naming the key for a missing key, a shape mismatch or a
         key the model has no place for.
     """
+    _check_options(params, target_shapes, key_name)
     weights, notes, used = {}, [], set()
     has_class_token = "patch_encoder/class_token" in target_shapes
 
     def take(key):
         if key not in params:
-            raise _missing(key, params)
+            raise _missing(key, params, key_name)
         used.add(key)
         return np.asarray(params[key])
 
@@ -385,10 +480,10 @@ def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicub
                 wanted = path[len("resnet/") :].replace("_unit", "/unit")
                 wanted = re.sub(r"/(gn[^/]*)/gamma$", r"/\1/scale", wanted)
                 wanted = re.sub(r"/(gn[^/]*)/beta$", r"/\1/bias", wanted)
-                raise _missing(wanted, params)
+                raise _missing(wanted, params, key_name)
             value = take(key)
         elif attention:
-            value = _read_attention(take, *attention, shape[0])
+            value = _read_attention(take, *attention)
         elif block:
             prefix, rest = f"Transformer/encoderblock_{block.group(1)}/", block.group(2)
             theirs = _BLOCK_BY_PATH.get(rest)
@@ -402,12 +497,6 @@ def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicub
             if path.startswith("head/") and theirs not in params:
                 notes.append(f"The checkpoint has no head: {path} left as initialised.")
                 continue
-            if theirs == _POSEMB and theirs not in params:
-                raise CheckpointError(
-                    f"The checkpoint has no position embeddings ({_POSEMB!r} or big_vision's 'pos_embedding'): "
-                    "it was trained with fixed 2-D sin-cos ones. Build the model with "
-                    "position_embedding='sincos2d'."
-                )
             value = take(theirs)
             if path == "patch_encoder/position_embedding":
                 if "cls" in params and not has_class_token:
@@ -447,20 +536,10 @@ def convert_checkpoint(params, target_shapes, grid_size, *, interpolation="bicub
     if dropped:
         notes.append(f"Not in the model, dropped: {dropped}.")
     unexpected = [k for k in unused if k not in dropped]
-    if _POSEMB in unexpected:
-        raise CheckpointError(
-            f"The checkpoint has learned position embeddings ({_POSEMB!r}, shape {params[_POSEMB].shape}); the "
-            "model's are fixed 2-D sin-cos ones. Build it with position_embedding='learned'."
-        )
-    if any(k.startswith("MAPHead_0/") for k in unexpected):
-        raise CheckpointError(
-            f"The checkpoint has a MAP head ({[k for k in unexpected if k.startswith('MAPHead_0/')][:3]} ...); "
-            "build the model with classifier='map'."
-        )
     if unexpected:
         raise CheckpointError(
             f"The checkpoint has {len(unexpected)} key(s) the model has no place for, e.g. "
-            f"{unexpected[:5]}; is it another variant (depth, hybrid, classifier)?"
+            f"{list(dict.fromkeys(map(key_name, unexpected)))[:5]}; is it another variant (depth, hybrid, classifier)?"
         )
     return weights, notes
 
@@ -500,17 +579,21 @@ def _encoder(model):
     return encoders[0]
 
 
-def load_pretrained(model, path, *, interpolation="bicubic", skip_mismatched_head=True):
-    """Loads an original ViT checkpoint (.npz, local or gs://) into a model from `build_vit`.
+def load_pretrained(model, path, *, interpolation=None, skip_mismatched_head=True):
+    """Loads a ViT checkpoint into a model from `build_vit`: an original one (.npz,
+    local or gs://) or timm's (`model.safetensors` from the Hugging Face hub, or
+    its state dict in an .npz).
 
     All of the checkpoint is read, converted and checked against the model
     before any weight is assigned: on any error the model is unchanged.
 
     Args:
         model: a model from `build_vit` (any resolution, classifier, head).
-        path: the .npz file.
+        path: the .npz or .safetensors file (told apart by their contents).
         interpolation: how position embeddings are resampled when the patch
-            grid differs, see `resample_position_embeddings`.
+            grid differs, see `resample_position_embeddings`; by default as
+            the file's own code does: "bicubic_antialias" (timm's) for timm
+            files, "bicubic" for others.
         skip_mismatched_head: a head of another shape (another number of
             classes) is left as initialised (zeros) instead of raising.
 
@@ -518,21 +601,31 @@ def load_pretrained(model, path, *, interpolation="bicubic", skip_mismatched_hea
         The notes of the conversion (also logged): resampling, dropped keys,
         skipped head.
     """
-    if interpolation not in INTERPOLATIONS:
+    from keras_vit import timm_weights
+
+    if interpolation is not None and interpolation not in INTERPOLATIONS:
         raise ValueError(
             f"`interpolation` must be one of {INTERPOLATIONS}. Received: interpolation={interpolation!r}"
         )
-    params = canonicalize(read_npz(path))
+    params, grid_size = read_checkpoint(path), _encoder(model).grid_size
+    if timm_weights.MARKER in params:
+        params, notes = timm_weights.from_timm(params, _num_heads(model), grid_size)
+        key_name, interpolation = timm_weights.timm_key, interpolation or "bicubic_antialias"
+    else:
+        params, notes = canonicalize(params), []
+        key_name, interpolation = str, interpolation or "bicubic"
     variables = _variables(model)
-    weights, notes = convert_checkpoint(
+    weights, conversion_notes = convert_checkpoint(
         params,
         {p: tuple(v.shape) for p, v in variables.items()},
-        _encoder(model).grid_size,
+        grid_size,
         interpolation=interpolation,
         skip_mismatched_head=skip_mismatched_head,
+        key_name=key_name,
     )
     for path_, value in weights.items():
         variables[path_].assign(value.astype(variables[path_].dtype))
+    notes += conversion_notes
     for note in notes:
         log.warning("load_pretrained(%s): %s", path, note)
     return notes
@@ -543,13 +636,23 @@ def _variables(model):
     return {v.path: v for v in model.weights if "seed_generator" not in v.path}
 
 
-def save_npz(model, path):
-    """Writes a model from `build_vit` as an original (vit_jax) .npz checkpoint."""
+def _num_heads(model):
+    """The attention heads of a model from `build_vit` (1 for one without blocks)."""
     from keras_vit.layers import TransformerBlock
 
     heads = {layer.num_heads for layer in model.layers if isinstance(layer, TransformerBlock)}
+    return heads.pop() if heads else 1
+
+
+def model_checkpoint(model):
+    """A model's weights in the original checkpoints' names and layouts (what `save_npz` writes)."""
     weights = {p: keras.ops.convert_to_numpy(v) for p, v in _variables(model).items()}
-    write_npz(to_checkpoint(weights, heads.pop() if heads else 1), path)
+    return to_checkpoint(weights, _num_heads(model))
+
+
+def save_npz(model, path):
+    """Writes a model from `build_vit` as an original (vit_jax) .npz checkpoint."""
+    write_npz(model_checkpoint(model), path)
 
 
 def _is_chain(model):

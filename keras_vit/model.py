@@ -8,9 +8,11 @@ Layer names are stable; the checkpoint converters map onto them:
 | `resnet` (hybrids only) | see `keras_vit.resnet` | `conv_root`, `gn_root`, `block{s}/unit{u}/*` |
 | `patch_encoder` | `kernel`, `bias`, `class_token`, `position_embedding` (if learned) | `embedding/*`, `cls`, `Transformer/posembed_input/pos_embedding` |
 | `embedding_dropout` | none | dropout after the position embeddings |
+| `pre_norm` (if `pre_norm`) | `gamma`, `beta` | `pre_norm/{scale,bias}` (timm's `norm_pre`) |
 | `encoderblock_{i}` (i = 0 .. L-1) | see `TransformerBlock` | `Transformer/encoderblock_{i}/*` |
-| `encoder_norm` | `gamma`, `beta` | `Transformer/encoder_norm/{scale,bias}` |
+| `encoder_norm` (unless `pooled_norm`) | `gamma`, `beta` | `Transformer/encoder_norm/{scale,bias}` |
 | `pooling` | none; `MAPHead`'s (classifier "map") | class token or mean of the tokens; `MAPHead_0/*` |
+| `pooled_norm` (if `pooled_norm`) | `gamma`, `beta` | `pooled_norm/{scale,bias}` (timm's `fc_norm`) |
 | `pre_logits` (if `representation_size`) | `kernel`, `bias` | `pre_logits/*` |
 | `head` (if `num_classes`) | `kernel`, `bias` | `head/*` |
 
@@ -63,6 +65,8 @@ def build_vit(
     patch_projection="conv",
     gelu="exact",
     position_embedding="learned",
+    pre_norm=False,
+    pooled_norm=False,
     name=None,
     **overrides,
 ):
@@ -97,6 +101,10 @@ def build_vit(
         position_embedding: "learned" (the paper's) or "sincos2d" (fixed 2-D
             sin-cos embeddings computed from the patch grid, big_vision's
             "Better plain ViT baselines"; no weights, hidden_dim a multiple of 4).
+        pre_norm: a LayerNorm on the tokens before the first block (timm's
+            `norm_pre`, CLIP's layout).
+        pooled_norm: the final LayerNorm on the pooled features instead of on
+            the tokens (timm's `fc_norm`, its default for GAP models).
         name: model name, by default derived from the variant ("vit_b16").
         **overrides: `hidden_dim`, `num_layers`, `num_heads`, `mlp_dim`,
             `patch_size`; they win over the variant's table entry.
@@ -135,6 +143,9 @@ def build_vit(
             f"`num_channels` must be a positive integer. Received: num_channels={num_channels!r}"
         )
     gelu_activation(gelu)
+    for flag_name, flag in (("pre_norm", pre_norm), ("pooled_norm", pooled_norm)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"`{flag_name}` must be True or False. Received: {flag_name}={flag!r}")
     for rate_name, rate in (
         ("dropout_rate", dropout_rate),
         ("attention_dropout_rate", attention_dropout_rate),
@@ -158,6 +169,8 @@ def build_vit(
         name="patch_encoder",
     )(x)
     x = vit_layers.Dropout(dropout_rate, name="embedding_dropout")(x)
+    if pre_norm:
+        x = vit_layers.LayerNormalization(epsilon=1e-6, name="pre_norm")(x)
     for i in range(config.num_layers):
         depth_fraction = i / (config.num_layers - 1) if config.num_layers > 1 else 1.0
         x = vit_layers.TransformerBlock(
@@ -169,11 +182,14 @@ def build_vit(
             gelu=gelu,
             name=f"encoderblock_{i}",
         )(x)
-    x = vit_layers.LayerNormalization(epsilon=1e-6, name="encoder_norm")(x)
+    if not pooled_norm:
+        x = vit_layers.LayerNormalization(epsilon=1e-6, name="encoder_norm")(x)
     if classifier == "map":
         x = vit_layers.MAPHead(config.num_heads, config.mlp_dim, gelu=gelu, name="pooling")(x)
     else:
         x = vit_layers.TokenPooling(classifier, name="pooling")(x)
+    if pooled_norm:
+        x = vit_layers.LayerNormalization(epsilon=1e-6, name="pooled_norm")(x)
     if representation_size:
         x = keras.layers.Dense(representation_size, activation="tanh", name="pre_logits")(x)
     if num_classes:

@@ -559,10 +559,10 @@ def test_big_vision_map_head_names_and_shapes_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "file, model, pattern",
     [
-        (dict(posemb="sincos2d"), dict(classifier="map"), r"no position embeddings.*position_embedding='sincos2d'"),
-        (dict(posemb="learn"), dict(classifier="map", position_embedding="sincos2d"), r"learned position embeddings.*\(1, 16, 16\).*position_embedding='learned'"),
+        (dict(posemb="sincos2d"), dict(classifier="map"), r"no key 'Transformer/posembed_input/pos_embedding'.*position_embedding='sincos2d'"),
+        (dict(posemb="learn"), dict(classifier="map", position_embedding="sincos2d"), r"learned position embeddings.*pos_embedding'\], which the model lacks.*position_embedding='learned'"),
         (dict(pool="map"), dict(classifier="gap", position_embedding="sincos2d"), r"MAP head.*classifier='map'"),
-        (dict(pool="gap"), dict(classifier="map", position_embedding="sincos2d"), r"no key 'MAPHead_0/"),
+        (dict(pool="gap"), dict(classifier="map", position_embedding="sincos2d"), r"no key 'MAPHead_0/probe'.*classifier='token' or 'gap'"),
     ],
 )
 def test_big_vision_options_that_do_not_match_the_model_are_named(tmp_path, file, model, pattern):

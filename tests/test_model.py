@@ -85,6 +85,7 @@ def test_without_rescaling_the_model_takes_normalised_inputs():
         dict(gelu="tanh"),
         dict(position_embedding="sincos2d"),
         dict(classifier="map", position_embedding="sincos2d", gelu="tanh"),
+        dict(classifier="gap", pre_norm=True, pooled_norm=True),
     ],
 )
 def test_keras_save_and_reload_is_exact(tmp_path, kwargs):
@@ -194,6 +195,8 @@ def test_xla_compiled_train_step_runs_and_learns():
         (dict(gelu="approximate"), r"gelu='approximate'"),
         (dict(position_embedding="fixed"), r"position_embedding='fixed'"),
         (dict(position_embedding="sincos2d"), r"multiple of 4.*hidden_dim=10"),
+        (dict(pre_norm=1), r"pre_norm=1"),
+        (dict(pooled_norm="yes"), r"pooled_norm='yes'"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, pattern):
@@ -421,3 +424,27 @@ def test_map_and_sincos_models_through_the_model_utilities(kwargs):
     assert attentions.shape == (2, 2, 4, 6, 6)
     np.testing.assert_allclose(attentions.sum(-1), 1.0, atol=1e-5)
     assert visualize.position_embedding_similarity(model).shape == (2, 3, 2, 3)
+
+
+def test_pre_norm_and_pooled_norm_move_the_layer_norms():
+    """pre_norm: LN of the embedded tokens feeds the first block; pooled_norm: the model's output is
+    head(LN(mean of the last block's tokens)) in place of head(mean of LN(tokens)) (timm's norm_pre
+    and fc_norm), against NumPy layer norms."""
+    model = randomize_weights(small_vit(classifier="gap", pre_norm=True, pooled_norm=True))
+    names = [layer.name for layer in model.layers]
+    assert names[names.index("embedding_dropout") :] == [
+        "embedding_dropout", "pre_norm", "encoderblock_0", "encoderblock_1", "pooling", "pooled_norm", "head"
+    ]
+    images = random_images((3, 8, 12, 3))
+
+    def output_of(name):
+        return keras.Model(model.inputs, model.get_layer(name).output).predict(images, verbose=0).astype(np.float64)
+
+    pre, pooled, head = (model.get_layer(name) for name in ("pre_norm", "pooled_norm", "head"))
+    tokens = output_of("patch_encoder")
+    normalised = numpy_vit.layer_norm(tokens, pre.gamma.numpy(), pre.beta.numpy())
+    np.testing.assert_allclose(output_of("pre_norm"), normalised, atol=1e-5)
+    assert np.abs(normalised - tokens).max() > 0.1
+    features = numpy_vit.layer_norm(output_of("encoderblock_1").mean(axis=1), pooled.gamma.numpy(), pooled.beta.numpy())
+    expected = features @ head.kernel.numpy() + head.bias.numpy()
+    np.testing.assert_allclose(model.predict(images, verbose=0), expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,322 @@
+"""timm's Vision Transformer weights: the files people download from the Hugging Face hub.
+
+timm (huggingface/pytorch-image-models) publishes its ViTs, among them the
+original and AugReg Google weights it converted, as PyTorch state dicts in
+`model.safetensors` files (e.g. the hub repository
+`timm/vit_base_patch16_224.augreg2_in21k_ft_in1k`). This module reads them
+with the `safetensors` package's NumPy API (no PyTorch, nothing unpickled) and
+converts their names and layouts to and from the original checkpoints'
+(`keras_vit.checkpoints`), so `load_pretrained` takes them like an `.npz`:
+
+| timm | here (original names) | layout |
+|---|---|---|
+| `patch_embed.proj.weight` (D, C, P, P), `.bias` | `embedding/kernel` (P, P, C, D), `/bias` | transposed |
+| `cls_token` (1, 1, D) | `cls` | |
+| `pos_embed` (1, [1 +] N, D) | `Transformer/posembed_input/pos_embedding` | a zero class-token row where timm's `no_embed_class` left it out |
+| `norm_pre.*` | `pre_norm/*` (build_vit `pre_norm=True`) | |
+| `blocks.{i}.norm1.*`, `norm2.*` | `.../encoderblock_{i}/LayerNorm_0/*`, `LayerNorm_2/*` | weight -> scale |
+| `blocks.{i}.attn.qkv.weight` (3D, D), `.bias`, or `attn.{q,k,v}.*` | `.../MultiHeadDotProductAttention_1/{query,key,value}/kernel` (D, heads, head_dim), `bias` | rows split, transposed |
+| `blocks.{i}.attn.proj.*` | `.../out/kernel` (heads, head_dim, D), `out/bias` | transposed |
+| `blocks.{i}.mlp.fc1.*`, `fc2.*` | `.../MlpBlock_3/Dense_0/*`, `Dense_1/*` | Linear (out, in) -> kernel (in, out) |
+| `norm.*` | `Transformer/encoder_norm/*` | |
+| `fc_norm.*` (GAP heads) | `pooled_norm/*` (build_vit `pooled_norm=True`) | |
+| `attn_pool.{latent, q, kv, proj, norm, mlp.fc1, mlp.fc2}` | `MAPHead_0/{probe, MultiHeadDotProductAttention_0/{query, key + value, out}, LayerNorm_0, MlpBlock_0/Dense_0, Dense_1}` | |
+| `pre_logits.fc.*`, `head.*` | `pre_logits/*`, `head/*` | transposed |
+
+Conversion is pure functions on dicts of NumPy arrays (`from_timm`,
+`to_timm`), as in `keras_vit.checkpoints`; `read_safetensors`,
+`write_safetensors` and `save_timm` add the files.
+"""
+
+import re
+
+import numpy as np
+
+from keras_vit.checkpoints import CheckpointError
+
+# timm's key that every ViT state dict has: how a timm file is told from an original one.
+MARKER = "patch_embed.proj.weight"
+
+# === The name table ===
+
+# How an array's layout changes between timm and the original checkpoints.
+_SAME = "same"  # identical
+_LINEAR = "linear"  # torch Linear weight (out, in) <-> kernel (in, out)
+_CONV = "conv"  # (D, C, P, P) <-> (P, P, C, D)
+_PROJECTION_KERNEL = "projection_kernel"  # (n * D, D) <-> n kernels (D, heads, head_dim)
+_PROJECTION_BIAS = "projection_bias"  # (n * D,) <-> n biases (heads, head_dim)
+_OUT = "out"  # (D, D) <-> (heads, head_dim, D)
+
+_BLOCK = "Transformer/encoderblock_{i}/"
+_BLOCK_ATTENTION = _BLOCK + "MultiHeadDotProductAttention_1"
+_MAP_ATTENTION = "MAPHead_0/MultiHeadDotProductAttention_0"
+_POSEMB = "Transformer/posembed_input/pos_embedding"
+
+
+def _norm(timm, ours):
+    return [(f"{timm}.weight", (f"{ours}/scale",), _SAME), (f"{timm}.bias", (f"{ours}/bias",), _SAME)]
+
+
+def _linear(timm, ours):
+    return [(f"{timm}.weight", (f"{ours}/kernel",), _LINEAR), (f"{timm}.bias", (f"{ours}/bias",), _SAME)]
+
+
+def _projections(timm, attention, names):
+    return [
+        (f"{timm}.weight", tuple(f"{attention}/{name}/kernel" for name in names), _PROJECTION_KERNEL),
+        (f"{timm}.bias", tuple(f"{attention}/{name}/bias" for name in names), _PROJECTION_BIAS),
+    ]
+
+
+def _attention(timm, attention):
+    return [
+        (f"{timm}.proj.weight", (f"{attention}/out/kernel",), _OUT),
+        (f"{timm}.proj.bias", (f"{attention}/out/bias",), _SAME),
+    ]
+
+
+# (timm key, original keys, layout); "{i}" stands for a block's index. Where two rules give the
+# same original keys (fused or split query/key/value), `to_timm` writes the first.
+RULES = (
+    ("cls_token", ("cls",), _SAME),
+    ("pos_embed", (_POSEMB,), _SAME),
+    ("patch_embed.proj.weight", ("embedding/kernel",), _CONV),
+    ("patch_embed.proj.bias", ("embedding/bias",), _SAME),
+    *_norm("norm_pre", "pre_norm"),
+    *_norm("blocks.{i}.norm1", _BLOCK + "LayerNorm_0"),
+    *_projections("blocks.{i}.attn.qkv", _BLOCK_ATTENTION, ("query", "key", "value")),
+    *_projections("blocks.{i}.attn.q", _BLOCK_ATTENTION, ("query",)),
+    *_projections("blocks.{i}.attn.k", _BLOCK_ATTENTION, ("key",)),
+    *_projections("blocks.{i}.attn.v", _BLOCK_ATTENTION, ("value",)),
+    *_attention("blocks.{i}.attn", _BLOCK_ATTENTION),
+    *_norm("blocks.{i}.norm2", _BLOCK + "LayerNorm_2"),
+    *_linear("blocks.{i}.mlp.fc1", _BLOCK + "MlpBlock_3/Dense_0"),
+    *_linear("blocks.{i}.mlp.fc2", _BLOCK + "MlpBlock_3/Dense_1"),
+    *_norm("norm", "Transformer/encoder_norm"),
+    *_norm("fc_norm", "pooled_norm"),
+    ("attn_pool.latent", ("MAPHead_0/probe",), _SAME),
+    *_projections("attn_pool.q", _MAP_ATTENTION, ("query",)),
+    *_projections("attn_pool.kv", _MAP_ATTENTION, ("key", "value")),
+    *_attention("attn_pool", _MAP_ATTENTION),
+    *_norm("attn_pool.norm", "MAPHead_0/LayerNorm_0"),
+    *_linear("attn_pool.mlp.fc1", "MAPHead_0/MlpBlock_0/Dense_0"),
+    *_linear("attn_pool.mlp.fc2", "MAPHead_0/MlpBlock_0/Dense_1"),
+    *_linear("pre_logits.fc", "pre_logits"),
+    *_linear("head", "head"),
+)
+
+# Parts of timm's ViT family this model does not have, by a piece of their keys.
+UNSUPPORTED = {
+    "reg_token": "register tokens (timm reg_tokens)",
+    ".ls1.": "layer scale (timm init_values)",
+    ".ls2.": "layer scale (timm init_values)",
+    "q_norm": "query-key normalisation (timm qk_norm)",
+    "k_norm": "query-key normalisation (timm qk_norm)",
+    "patch_embed.norm": "a norm in the patch embedding",
+    "dist_token": "DeiT's distillation token",
+    "head_dist": "DeiT's distillation head",
+}
+
+
+def _pattern(template):
+    """A template with "{i}" as a regular expression capturing the block index."""
+    return re.compile("^" + re.escape(template).replace(re.escape("{i}"), r"(\d+)") + "$")
+
+
+_TIMM_PATTERNS = [(_pattern(rule[0]), rule) for rule in RULES]
+_ORIGINAL_PATTERNS = [(_pattern(original), rule) for rule in RULES for original in rule[1]]
+
+
+def timm_key(key):
+    """The timm key an original key (e.g. `Transformer/encoderblock_3/LayerNorm_0/scale`) comes from
+    (`blocks.3.norm1.weight`); the key itself if it has none. For messages."""
+    for pattern, (timm, _, _) in _ORIGINAL_PATTERNS:
+        match = pattern.match(key)
+        if match:
+            return timm.replace("{i}", match.group(1)) if match.groups() else timm
+    return key
+
+
+# === Layouts ===
+
+
+def _from_timm_layout(key, value, layout, count, num_heads):
+    """The original arrays (`count` of them) of the timm array `value` stored under `key`."""
+    shape = value.shape
+    if layout == _SAME:
+        return [value]
+    if layout == _LINEAR and value.ndim == 2:
+        return [value.T]
+    if layout == _CONV and value.ndim == 4:
+        return [value.transpose(2, 3, 1, 0)]
+    if layout in (_PROJECTION_KERNEL, _PROJECTION_BIAS) and value.shape[0] % (count * num_heads) == 0:
+        parts = np.split(value, count, axis=0)
+        if layout == _PROJECTION_BIAS and value.ndim == 1:
+            return [part.reshape(num_heads, -1) for part in parts]
+        if layout == _PROJECTION_KERNEL and value.ndim == 2:
+            return [part.T.reshape(value.shape[1], num_heads, -1) for part in parts]
+    if layout == _OUT and value.ndim == 2 and value.shape[1] % num_heads == 0:
+        return [value.T.reshape(num_heads, -1, value.shape[0])]
+    expected = {
+        _LINEAR: "(out, in)",
+        _CONV: "(D, channels, patch_h, patch_w)",
+        _PROJECTION_KERNEL: f"({count} x heads x head_dim, D) with {num_heads} heads",
+        _PROJECTION_BIAS: f"({count} x heads x head_dim,) with {num_heads} heads",
+        _OUT: f"(D, heads x head_dim) with {num_heads} heads",
+    }[layout]
+    raise CheckpointError(f"The timm key {key!r} has shape {shape}; expected {expected}.")
+
+
+def _to_timm_layout(values, layout):
+    """The timm array of the original arrays `values` (the inverse of `_from_timm_layout`)."""
+    if layout == _LINEAR:
+        return values[0].T
+    if layout == _CONV:
+        return values[0].transpose(3, 2, 0, 1)
+    if layout == _PROJECTION_KERNEL:
+        return np.concatenate([v.reshape(v.shape[0], -1).T for v in values], axis=0)
+    if layout == _PROJECTION_BIAS:
+        return np.concatenate([v.reshape(-1) for v in values])
+    if layout == _OUT:
+        return values[0].reshape(-1, values[0].shape[-1]).T
+    return values[0]
+
+
+def _is_square(n):
+    return n >= 0 and int(round(n**0.5)) ** 2 == n
+
+
+def from_timm(state_dict, num_heads, grid_size=None):
+    """A timm ViT state dict -> the original checkpoint's names and layouts (what `canonicalize` gives).
+
+    Args:
+        state_dict: {timm key: array}, e.g. read from a `model.safetensors`.
+        num_heads: the model's attention heads (the original kernels are
+            (D, heads, head_dim)).
+        grid_size: the model's patch grid, to tell a `pos_embed` with a
+            class-token row from one without (timm's `no_embed_class`, as in
+            DeiT-3 and big_vision exports) when the counts alone do not.
+
+    Returns:
+        (params, notes): the arrays in the original naming, and notes on what
+        was adapted.
+
+    Raises:
+        CheckpointError naming the timm keys this model has no place for, a key
+        of an unexpected shape, or a key its other keys need.
+    """
+    params, notes, unknown = {}, [], []
+    for key, value in state_dict.items():
+        rule = next(((match, rule) for pattern, rule in _TIMM_PATTERNS if (match := pattern.match(key))), None)
+        if rule is None:
+            unknown.append(key)
+            continue
+        match, (_, originals, layout) = rule
+        index = match.group(1) if match.groups() else None
+        arrays = _from_timm_layout(key, np.asarray(value), layout, len(originals), num_heads)
+        for original, array in zip(originals, arrays):
+            params[original.replace("{i}", index or "")] = array
+    if unknown:
+        features = sorted({what for key in unknown for piece, what in UNSUPPORTED.items() if piece in key})
+        raise CheckpointError(
+            f"The timm state dict has {len(unknown)} key(s) this model has no place for, e.g. {sorted(unknown)[:5]}"
+            + (f": {', '.join(features)}" if features else "")
+            + ". Supported: timm's VisionTransformer with or without a class token, learned position "
+            "embeddings, norm_pre, fc_norm, a MAP head (attn_pool) and a linear head."
+        )
+    if "embedding/bias" not in params and "pre_norm/scale" in params and "embedding/kernel" in params:
+        # timm builds the patch embedding without a bias where it has norm_pre (CLIP's layout).
+        params["embedding/bias"] = np.zeros(params["embedding/kernel"].shape[-1], params["embedding/kernel"].dtype)
+        notes.append("The timm file's patch embedding has no bias (norm_pre models): a zero bias set.")
+    if "cls" in params and _POSEMB in params:
+        rows = params[_POSEMB].shape[1]
+        patches = None if grid_size is None else grid_size[0] * grid_size[1]
+        with_row = rows == patches + 1 if patches is not None and rows in (patches, patches + 1) else not _is_square(rows)
+        if not with_row:
+            # timm's no_embed_class: the class token has no position, i.e. a zero row.
+            params[_POSEMB] = np.concatenate([np.zeros_like(params[_POSEMB][:, :1]), params[_POSEMB]], axis=1)
+    return params, notes
+
+
+def to_timm(params):
+    """The inverse of `from_timm`: original names and layouts -> a timm ViT state dict.
+
+    The query, key and value are written fused (`attn.qkv`), the position
+    embeddings with the class-token row where there is a class token, as
+    timm's VisionTransformer keeps them.
+    """
+    state_dict, written = {}, set()
+    for timm, originals, layout in RULES:
+        pattern = _pattern(originals[0])
+        for key in sorted(params):
+            match = pattern.match(key)
+            if not match:
+                continue
+            index = match.group(1) if match.groups() else ""
+            keys = [original.replace("{i}", index) for original in originals]
+            if any(k in written or k not in params for k in keys):
+                continue
+            state_dict[timm.replace("{i}", index)] = np.ascontiguousarray(_to_timm_layout([params[k] for k in keys], layout))
+            written.update(keys)
+    missing = sorted(set(params) - written)
+    if missing:
+        raise CheckpointError(f"No timm key is known for {missing[:5]}.")
+    return state_dict
+
+
+# === Files ===
+
+
+def read_safetensors(data, path):
+    """The arrays of a .safetensors file's bytes `data` (read from `path`), with the `safetensors`
+    package's NumPy API; bfloat16 arrays are widened to float32 (NumPy has no bfloat16)."""
+    import safetensors
+    import safetensors.numpy
+
+    try:
+        return safetensors.numpy.load(data)
+    except KeyError:  # A dtype the NumPy API has no NumPy type for.
+        pass
+    except safetensors.SafetensorError as error:
+        raise CheckpointError(f"{path!r} is truncated or corrupt: {error}") from None
+    arrays = {}
+    for key, view in safetensors.deserialize(data):
+        if view["dtype"] != "BF16":
+            raise CheckpointError(
+                f"{path!r}: the array {key!r} has dtype {view['dtype']}; expected a float type (F64, F32, F16, BF16)."
+            )
+        bits = np.frombuffer(view["data"], dtype="<u2").astype(np.uint32) << 16
+        arrays[key] = bits.view(np.float32).reshape(view["shape"])
+    return arrays
+
+
+def is_safetensors(data):
+    """Whether `data` starts like a .safetensors file: a little-endian u64 header size, then a JSON object."""
+    return len(data) > 8 and data[8:9] == b"{" and int.from_bytes(data[:8], "little") <= len(data) - 8
+
+
+def write_safetensors(arrays, path):
+    """Writes a dict of arrays as a .safetensors file (local or gs:// path), marked as PyTorch's
+    layout (metadata format "pt") as timm's files are."""
+    import safetensors.numpy
+    import tensorflow as tf
+
+    data = safetensors.numpy.save({k: np.ascontiguousarray(v) for k, v in arrays.items()}, metadata={"format": "pt"})
+    with tf.io.gfile.GFile(path, "wb") as f:
+        f.write(data)
+
+
+def save_timm(model, path):
+    """Writes a model from `build_vit` as a timm ViT state dict: `.safetensors` (or `.npz` by the suffix).
+
+    timm's `VisionTransformer` with the same architecture loads the file
+    (`load_state_dict`); `load_pretrained` reads it back exactly. Fixed
+    sin-cos position embeddings are no weight and are not written.
+    """
+    from keras_vit import checkpoints
+
+    state_dict = to_timm(checkpoints.model_checkpoint(model))
+    if str(path).endswith(".npz"):
+        checkpoints.write_npz(state_dict, path)
+    else:
+        write_safetensors(state_dict, path)
