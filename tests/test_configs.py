@@ -11,7 +11,7 @@ CONFIGS = {
     # module: (variant, image size, parameters of the model the config builds)
     "digits": ("Ti/2", 16, 139_722),
     "cifar10_b16": ("B/16", 384, 86_567_656 - 769_000 + 7_690 + (577 - 197) * 768),
-    "imagenet_s16": ("S/16", 224, 22_049_896),
+    "imagenet_s16": ("S/16", 224, 22_049_896 - 196 * 384),  # Fixed sin-cos position embeddings: no weights.
 }
 
 

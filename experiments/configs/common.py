@@ -5,6 +5,7 @@ for each of them with any config.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_base_config():
@@ -45,10 +46,13 @@ def get_base_config():
     config.model.position_embedding = "learned"
     config.model.gelu = "exact"
 
-    # Transfer learning: an original-format .npz (local or gs://) to start from,
-    # and whether to train the head alone.
+    # Transfer learning: a checkpoint to start from (local or gs://; the original
+    # .npz, or timm's .safetensors), and whether to train the head alone.
+    # interpolation: how its position embeddings are resampled to another grid;
+    # unset, as the file's own code does (timm's antialiased bicubic for timm
+    # files, bicubic for others).
     config.pretrained = ""
-    config.interpolation = "bicubic"
+    config.interpolation = config_dict.placeholder(str)
     config.freeze_backbone = False
 
     # === Optimisation (keras_vit.training) ===
