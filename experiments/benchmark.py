@@ -32,7 +32,8 @@ with --jit's choice on TensorFlow) with attention as
 `keras.ops.dot_product_attention` (cuDNN's fused attention on an NVIDIA GPU
 under JAX) and as explicit batched matmuls and softmax: the largest
 difference between their outputs, and each one's time, interleaved, median of
---repeats; on JAX, whether the compiled program calls a cuDNN attention kernel.
+--repeats; on JAX, whether the compiled programs call a cuDNN attention kernel,
+and the largest difference of the two forms' training-mode weight gradients.
 
 `profile`: where an inference batch's time goes without XLA, per TensorFlow op
 type (oneDNN's fused matmuls, batched matmuls of the attention, element-wise
@@ -501,8 +502,33 @@ def compiled_forward(model, jit_compile):
     return lambda x: model(x, training=False)
 
 
+def _uses_cudnn_attention(program):
+    """Whether a compiled program's text calls one of cuDNN's fused attention kernels."""
+    return "cudnn" in program and ("fmha" in program or "fused_attention" in program)
+
+
+def training_gradients(model, images):
+    """On JAX: a jitted function () -> (loss, gradients of the trainable weights) of a training-mode
+    forward pass (mean of the logits times fixed weights), and its compiled program's text."""
+    import jax
+    import jax.numpy as jnp
+
+    trainable = [v.value for v in model.trainable_variables]
+    fixed = [v.value for v in model.non_trainable_variables]
+    weights = jnp.asarray(np.random.default_rng(2).normal(size=model.output_shape[1:]), "float32")
+
+    def loss(trainable, x):
+        logits, _ = model.stateless_call(trainable, fixed, x, training=True)
+        return jnp.mean(logits.astype("float32") * weights)
+
+    function = jax.jit(jax.value_and_grad(loss))
+    return functools.partial(function, trainable), function.lower(trainable, images).compile().as_text()
+
+
 def attention(variant, image_size, batch_size, precision, jit, repeats):
-    """Fused vs explicit attention in the whole model; returns (max |difference|, {form: seconds})."""
+    """Fused vs explicit attention in the whole model; returns (max |difference|, {form: seconds}).
+
+    On JAX it also compares a training-mode gradient of the weights, the fused form's backward pass."""
     keras.mixed_precision.set_dtype_policy(precision)
     model = random_model(variant, image_size)
     jit_compile = keras_vit.training.resolve_jit_compile(jit, precision, training=False)
@@ -510,14 +536,16 @@ def attention(variant, image_size, batch_size, precision, jit, repeats):
     images = keras.ops.convert_to_tensor(
         rng.uniform(0, 255, (batch_size, image_size, image_size, 3)).astype("float32")
     )
-    functions, outputs, cudnn = {}, {}, {}
+    functions, outputs, cudnn, gradients = {}, {}, {}, {}
     for form, fused in (("fused", True), ("explicit", False)):
         function = compiled_forward(model, jit_compile)
         with kernels.fused_attention(fused):  # Traced here, on the first call.
             outputs[form] = keras.ops.convert_to_numpy(function(images)).astype("float32")
             if hasattr(function, "lowered"):
-                program = function.lowered(images).compile().as_text()
-                cudnn[form] = "cudnn" in program and ("fmha" in program or "fused_attention" in program)
+                cudnn[form] = _uses_cudnn_attention(function.lowered(images).compile().as_text())
+                gradient, program = training_gradients(model, images)
+                gradients[form] = [np.asarray(g, "float32") for g in gradient(images)[1]]
+                cudnn[f"{form} training"] = _uses_cudnn_attention(program)
         functions[form] = function
     medians = time_calls(functions, images, repeats)
     difference = float(np.max(np.abs(outputs["fused"] - outputs["explicit"])))
@@ -529,6 +557,16 @@ def attention(variant, image_size, batch_size, precision, jit, repeats):
         f"Largest |fused - explicit| of the logits: {difference:.3g} "
         f"(largest |logit| {float(np.max(np.abs(outputs['explicit']))):.3g})"
     )
+    if gradients:
+        relative = max(
+            float(np.max(np.abs(f - e)) / max(float(np.max(np.abs(e))), 1e-30))
+            for f, e in zip(gradients["fused"], gradients["explicit"])
+        )
+        print(
+            f"Training-mode weight gradients, largest |fused - explicit| / largest |explicit| of a weight: "
+            f"{relative:.3g}; cuDNN attention kernel in the training program: fused "
+            f"{'yes' if cudnn['fused training'] else 'no'}, explicit {'yes' if cudnn['explicit training'] else 'no'}"
+        )
     for form, seconds in medians.items():
         kernel = f", cuDNN attention kernel: {'yes' if cudnn[form] else 'no'}" if form in cudnn else ""
         print(f"  {form:9s} {1000 * seconds:9.2f} ms  {batch_size / seconds:10.1f} images/s{kernel}")

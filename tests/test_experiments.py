@@ -305,6 +305,9 @@ def test_benchmark_on_jax_without_tensorflow(mode):
     if mode == "attention":
         difference, largest = _fused_explicit_difference(result.stdout)
         assert largest > 0 and difference <= 1e-5 * max(1.0, largest)
+        # The backward pass too: training-mode weight gradients of both forms.
+        gradients = re.search(r"largest \|explicit\| of a weight: ([\d.e+-]+)", result.stdout)
+        assert gradients and float(gradients.group(1)) <= 1e-4, result.stdout
     else:
         assert re.search(r"keras_vit \(XLA\)\s+[\d,]+\s+[\d.]+", result.stdout), result.stdout
 
