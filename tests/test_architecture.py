@@ -1,0 +1,212 @@
+"""The shape of the code: imports point one way, private names stay private, modules stay readable.
+
+The import graph is read from the source with `ast`, imports inside functions included, so a lazy import
+that closes a circle is found as well as a top-level one.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+from tests.conftest import ROOT
+
+ROOT_PATH = pathlib.Path(ROOT)
+PACKAGES = ("keras_vit", "experiments")
+MAX_LINES = 600
+
+
+def module_files():
+    """{dotted module name: path} for every module of the library and the jobs."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT_PATH / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT_PATH).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def resolve_from(module, is_package, node):
+    """The absolute module an ImportFrom node imports from."""
+    if not node.level:
+        return node.module
+    base = module.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(module, path, known):
+    """[(imported module, line, [names imported from it])] for every import of a known module."""
+    found = []
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known:
+                    found.append((alias.name, node.lineno, []))
+        elif isinstance(node, ast.ImportFrom):
+            source = resolve_from(module, path.name == "__init__.py", node)
+            if source not in known:
+                continue
+            names = []
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                if submodule in known:
+                    found.append((submodule, node.lineno, []))
+                else:
+                    names.append(alias.name)
+            if names:
+                found.append((source, node.lineno, names))
+    return found
+
+
+def import_graph():
+    modules = module_files()
+    return {
+        module: {target for target, _, _ in imports(module, path, modules) if target != module}
+        for module, path in modules.items()
+    }
+
+
+def find_cycle(graph):
+    """One cycle as a list of modules [a, b, ..., a], or None."""
+    state = {}
+    stack = []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                return stack[stack.index(target) :] + [target]
+            if target not in state:
+                cycle = visit(target)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_find_cycle_sees_a_circle_and_a_line():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_import_graph_sees_lazy_imports():
+    graph = import_graph()
+    # keras_vit.training imports TensorFlow's pieces lazily but keras_vit modules at the top; the public
+    # API imports every unit; each edge found here is a real import in the source.
+    assert "keras_vit.model" in graph["keras_vit"]
+    assert any(target.startswith("keras_vit.kernels") for target in graph["keras_vit.layers.attention"])
+
+
+def test_no_import_cycle_among_modules():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_library_never_imports_the_jobs():
+    graph = import_graph()
+    wrong = {m: sorted(t for t in ts if t.startswith("experiments")) for m, ts in graph.items()}
+    assert not {m: t for m, t in wrong.items() if m.startswith("keras_vit") and t}
+
+
+def module_aliases(module, is_package, tree, known):
+    """{local name: module} for the names a module binds to other known modules."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known:
+                    if alias.asname:
+                        aliases[alias.asname] = alias.name
+                    else:
+                        aliases[alias.name.split(".")[0]] = alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            source = resolve_from(module, is_package, node)
+            for alias in node.names:
+                if f"{source}.{alias.name}" in known:
+                    aliases[alias.asname or alias.name] = f"{source}.{alias.name}"
+    return aliases
+
+
+def dotted(node):
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return [node.id] + parts[::-1]
+    return None
+
+
+def private_uses(module, path, known):
+    """[(line, text)] where `module` uses a `_private` name of another module."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    uses = []
+    for source, line, names in imports(module, path, known):
+        for name in names:
+            if name.startswith("_") and source != module:
+                uses.append((line, f"from {source} import {name}"))
+    aliases = module_aliases(module, path.name == "__init__.py", tree, known)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        chain = dotted(node)
+        if not chain or chain[0] not in aliases:
+            continue
+        target = ".".join([aliases[chain[0]]] + chain[1:-1])
+        if target in known and target != module:
+            uses.append((node.lineno, ".".join(chain)))
+    return uses
+
+
+def test_private_use_is_found(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text(
+        "from keras_vit import compat\n"
+        "from keras_vit.kernels import _hidden, attention\n"
+        "import keras_vit.kernels.policy as policy\n"
+        "compat._secret()\n"
+        "policy._rule\n"
+        "compat.public()\n"
+        "self._own = 1\n"
+    )
+    uses = private_uses("probe", path, module_files())
+    assert sorted(text for _, text in uses) == [
+        "compat._secret",
+        "from keras_vit.kernels import _hidden",
+        "policy._rule",
+    ]
+
+
+def test_no_module_uses_another_modules_private_names():
+    known = module_files()
+    found = [
+        f"{path.relative_to(ROOT_PATH)}:{line}: {text}"
+        for module, path in known.items()
+        for line, text in private_uses(module, path, known)
+    ]
+    assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_module_is_over_600_lines(package):
+    long = {
+        str(path.relative_to(ROOT_PATH)): count
+        for module, path in module_files().items()
+        if module.split(".")[0] == package and (count := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
