@@ -218,7 +218,7 @@ def write_outputs(workdir, name, results, table, figure):
         json.dump(results, f, indent=2)
     with tf.io.gfile.GFile(paths[1], "w") as f:
         f.write(table + "\n")
-    visualize._save(figure, paths[2])
+    visualize.save_figure(figure, paths[2])
     return paths
 
 
@@ -384,7 +384,7 @@ def plot(results):
 def plot_curves(xs, curves, *, xlabel, ylabel, title, marks=()):
     """A figure of curves ({label: points with "mean" and "std"}) against `xs` on a log axis, standard
     deviations as error bars, vertical dotted lines at `marks`."""
-    plt = visualize._pyplot()
+    plt = visualize.pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for label, points in curves.items():
         ax.errorbar(

@@ -118,7 +118,7 @@ def test_rollout_multiplies_layers_with_the_residual():
     rng = np.random.default_rng(0)
     a = rng.random((2, 1, 2, 4, 4))
     a /= a.sum(-1, keepdims=True)
-    fused = [0.5 * (a[l, 0].mean(0) + np.eye(4)) for l in range(2)]  # rows of A + I sum to 2
+    fused = [0.5 * (a[layer, 0].mean(0) + np.eye(4)) for layer in range(2)]  # rows of A + I sum to 2
     np.testing.assert_allclose(visualize.rollout(a)[0], fused[1] @ fused[0], atol=1e-12)
     joint = visualize.rollout(a, "max", discard_ratio=0.5)
     np.testing.assert_allclose(joint.sum(-1), 1.0)
@@ -329,8 +329,43 @@ def test_patch_grid_figure(tmp_path, shape, patch_size, class_token):
         visualize.plot_patch_grid(np.zeros((32, 48, 3)), sequence, tmp_path / "x.png")
 
 
-def test_docstring_examples():
-    import doctest
+def test_save_figure_writes_a_whole_png_locally_and_on_a_file_system_url(tmp_path):
+    import tensorflow as tf
 
-    result = doctest.testmod(visualize, verbose=False)
+    plt = visualize.pyplot()
+    for path in (tmp_path / "figure.png", "ram://figures/figure.png"):
+        figure, ax = plt.subplots(figsize=(3, 2))
+        ax.plot([0, 1], [1, 0])
+        assert visualize.save_figure(figure, path) == str(path)
+        assert not plt.fignum_exists(figure.number)  # Closed: a long job does not accumulate figures.
+        data = tf.io.gfile.GFile(str(path), "rb").read()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", data[16:24]) == (300, 200)  # 100 dpi
+        # Written under a temporary name, then renamed: nothing else is left beside it.
+        assert tf.io.gfile.listdir(str(path).rsplit("/", 1)[0]) == ["figure.png"]
+
+
+def test_the_package_keeps_its_names_and_its_modules_import_one_way():
+    import importlib
+    import pathlib
+    import re
+
+    expected = {
+        "HEAD_FUSIONS", "PatchSequence", "attention_rollout", "attention_weights", "mean_attention_distance",
+        "mean_distance", "neighbour_similarity", "patch_distances", "patch_embedding_filters", "patch_sequence",
+        "plot_attention_rollout", "plot_filters", "plot_head_attention", "plot_mean_distance", "plot_patch_grid",
+        "plot_position_similarity", "position_embedding_similarity", "pyplot", "rollout", "save_figure",
+        "write_figures",
+    }
+    assert set(visualize.__all__) == expected and all(hasattr(visualize, name) for name in expected)
+    # The analysis needs no figure: it imports nothing of the figures (nor matplotlib).
+    analysis = pathlib.Path(importlib.import_module("keras_vit.visualize.analysis").__file__).read_text()
+    assert not re.search(r"import .*(figures|matplotlib)|from keras_vit.visualize", analysis)
+
+
+@pytest.mark.parametrize("module", ["keras_vit.visualize", "keras_vit.visualize.analysis"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), verbose=False)
     assert result.attempted > 0 and result.failed == 0

@@ -1,16 +1,12 @@
-"""What a ViT learned: attention maps, rollout, attention distance, embeddings.
+"""What a ViT learned, as NumPy arrays: attention maps, rollout, attention distance, embeddings.
 
 And what it reads: the image cut into the sequence of patches the encoder
-takes (paper Figure 1), by `patch_sequence` and `plot_patch_grid`.
-
-The computing functions return NumPy arrays; the `plot_*` functions draw them
-with matplotlib (no display needed) and are kept apart, so the numbers can be
-tested and reused without a figure.
+takes (paper Figure 1), by `patch_sequence`.
 
 Every function reads the model it is given, layer by layer, with that model's
 own weights: no copy that could drift, no retraining.  They work for both
 classifiers ("token" and "gap") and for models whose weights were loaded from
-checkpoints.
+checkpoints.  `keras_vit.visualize.figures` draws what these return.
 
 Paper: Dosovitskiy et al. 2020, Figure 1 (the patch sequence), Figure 7
 (filters, position similarity, mean attention distance) and Figure 6
@@ -18,7 +14,6 @@ Paper: Dosovitskiy et al. 2020, Figure 1 (the patch sequence), Figure 7
 in Transformers").
 """
 
-import math
 import typing
 
 import keras
@@ -34,7 +29,8 @@ HEAD_FUSIONS = ("mean", "max", "min")
 # === Reading the model ===
 
 
-def _patch_encoder(model):
+def patch_encoder(model):
+    """The model's one `PatchEncoder` layer; a ValueError for a model that is not a ViT."""
     encoders = [layer for layer in model.layers if isinstance(layer, PatchEncoder)]
     if len(encoders) != 1:
         raise ValueError(
@@ -44,7 +40,11 @@ def _patch_encoder(model):
     return encoders[0]
 
 
-def _check_images(model, images):
+def check_images(model, images):
+    """`images` as a NumPy batch the model takes: (batch, H, W, C), one (H, W, C) image made a batch of one.
+
+    A ValueError names the shape expected and the shape received.
+    """
     images = np.asarray(images)
     expected = tuple(model.input_shape[1:])
     if images.ndim == 3:
@@ -73,8 +73,8 @@ def attention_weights(model, images, batch_size=32):
         float32 array [layers, batch, heads, tokens, tokens]; rows (queries)
         sum to 1.  Token 0 is the class token when the model has one.
     """
-    images = _check_images(model, images)
-    _patch_encoder(model)  # A clear error for models that are not ViTs.
+    images = check_images(model, images)
+    patch_encoder(model)  # A clear error for models that are not ViTs.
     chunks = []
     for start in range(0, len(images), batch_size):
         x = keras.ops.convert_to_tensor(images[start : start + batch_size])
@@ -91,16 +91,21 @@ def attention_weights(model, images, batch_size=32):
     return np.concatenate(chunks, axis=1)
 
 
-def _resnet_stride(model):
-    """The hybrids' ResNet stride (1 for a plain ViT)."""
+def resnet_stride(model):
+    """The hybrids' ResNet stride (1 for a plain ViT): input pixels per cell of the feature map the patches are
+    cut from."""
     stems = [layer for layer in model.layers if isinstance(layer, ResNetStem)]
     return ResNetStem.stride(stems[0].num_layers) if stems else 1
 
 
-def _grid(model):
-    """(grid size, patch size in input pixels, has class token)."""
-    encoder = _patch_encoder(model)
-    stride = _resnet_stride(model)
+def patch_layout(model):
+    """(grid size, patch size in input pixels, has class token) of a ViT.
+
+    For a hybrid, a patch is a cell of the ResNet feature map: patch size
+    times the stem's stride in input pixels.
+    """
+    encoder = patch_encoder(model)
+    stride = resnet_stride(model)
     patch = (encoder.patch_size[0] * stride, encoder.patch_size[1] * stride)
     return encoder.grid_size, patch, encoder.use_class_token
 
@@ -170,8 +175,8 @@ def attention_rollout(model, images, *, head_fusion="mean", discard_ratio=0.0):
     Returns:
         float32 [batch, H, W] in [0, 1].
     """
-    images = _check_images(model, images)
-    (gh, gw), _, has_class_token = _grid(model)
+    images = check_images(model, images)
+    (gh, gw), _, has_class_token = patch_layout(model)
     joint = rollout(attention_weights(model, images), head_fusion, discard_ratio, has_class_token)
     if has_class_token:
         maps = joint[:, 0, 1:]
@@ -220,7 +225,7 @@ def mean_distance(attentions, grid_size, patch_size, has_class_token):
 
 def mean_attention_distance(model, images):
     """Mean attention distance in pixels, [layers, heads] (paper Figure 7, right)."""
-    grid_size, patch_size, has_class_token = _grid(model)
+    grid_size, patch_size, has_class_token = patch_layout(model)
     return mean_distance(attention_weights(model, images), grid_size, patch_size, has_class_token)
 
 
@@ -234,8 +239,8 @@ def position_embedding_similarity(model):
     similarity of patch (i, j)'s embedding with patch (k, l)'s (paper
     Figure 7, centre).  The class token's embedding is left out.
     """
-    (gh, gw), _, has_class_token = _grid(model)
-    posemb = keras.ops.convert_to_numpy(_patch_encoder(model).position_embedding)[0]
+    (gh, gw), _, has_class_token = patch_layout(model)
+    posemb = keras.ops.convert_to_numpy(patch_encoder(model).position_embedding)[0]
     posemb = posemb[1:] if has_class_token else posemb
     posemb = posemb.astype(np.float64)
     unit = posemb / np.maximum(np.linalg.norm(posemb, axis=-1, keepdims=True), 1e-12)
@@ -279,8 +284,8 @@ def patch_embedding_filters(model, num_components=28):
         [num_components, patch_h, patch_w, channels]; as flat vectors the
         components are orthonormal.
     """
-    encoder = _patch_encoder(model)
-    if _resnet_stride(model) != 1:
+    encoder = patch_encoder(model)
+    if resnet_stride(model) != 1:
         raise ValueError(
             f"Model {model.name!r} is a hybrid: its patch embedding filters act on ResNet features, "
             "not on pixels, so they cannot be shown as image patches."
@@ -354,8 +359,8 @@ def patch_sequence(model_or_patch_size, image, *, class_token=None):
     image = np.asarray(image)
     if isinstance(model_or_patch_size, keras.Model):
         model = model_or_patch_size
-        image = _check_images(model, image if image.ndim != 2 else image[..., None])[0]
-        grid_size, patch_size, has_class_token = _grid(model)
+        image = check_images(model, image if image.ndim != 2 else image[..., None])[0]
+        grid_size, patch_size, has_class_token = patch_layout(model)
         if class_token is not None and bool(class_token) != has_class_token:
             raise ValueError(
                 f"Model {model.name!r} {'has' if has_class_token else 'has no'} class token. "
@@ -394,250 +399,6 @@ def patch_sequence(model_or_patch_size, image, *, class_token=None):
     rows, cols = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
     tops, lefts = rows.ravel() * ph, cols.ravel() * pw
     boxes = np.stack([tops, lefts, tops + ph, lefts + pw], axis=1)
-    patches = np.stack([image[t:b, l:r] for t, l, b, r in boxes])
+    patches = np.stack([image[top:bottom, left:right] for top, left, bottom, right in boxes])
     positions = np.arange(gh * gw) + int(has_class_token)
     return PatchSequence(patches, boxes, positions, tuple(grid_size), tuple(patch_size), has_class_token)
-
-
-# === Plots ===
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path):
-    import tensorflow as tf
-
-    with tf.io.gfile.GFile(str(path), "wb") as f:
-        fig.savefig(f, format="png", dpi=100)
-    _pyplot().close(fig)
-    return str(path)
-
-
-def _display_image(image):
-    image = np.asarray(image, np.float32)
-    if image.max() > 1.0:
-        image = image / 255.0
-    image = np.clip(image, 0.0, 1.0)
-    return image[..., 0] if image.shape[-1] == 1 else image
-
-
-def plot_attention_rollout(image, attention_map, path):
-    """The image, its rollout map, and the map overlaid on the image."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(9, 3.2))
-    axes[0].imshow(_display_image(image), cmap="gray")
-    axes[0].set_title("image")
-    axes[1].imshow(attention_map, cmap="inferno", vmin=0, vmax=1)
-    axes[1].set_title("attention rollout")
-    axes[2].imshow(_display_image(image), cmap="gray")
-    axes[2].imshow(attention_map, cmap="jet", alpha=0.5, vmin=0, vmax=1)
-    axes[2].set_title("overlay")
-    for ax in axes:
-        ax.axis("off")
-    fig.tight_layout()
-    return _save(fig, path)
-
-
-def plot_head_attention(image, attentions, grid_size, has_class_token, path):
-    """Per-head attention of the last layer, from the class token (or averaged over queries).
-
-    `attentions` is one image's last-layer attention, [heads, tokens, tokens].
-    """
-    plt = _pyplot()
-    heads = attentions.shape[0]
-    cols = min(heads, 6)
-    rows = 1 + math.ceil(heads / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2 * cols, 2 * rows), squeeze=False)
-    for ax in axes.ravel():
-        ax.axis("off")
-    axes[0, 0].imshow(_display_image(image), cmap="gray")
-    axes[0, 0].set_title("image")
-    for h in range(heads):
-        maps = attentions[h, 0, 1:] if has_class_token else attentions[h].mean(axis=0)
-        ax = axes[1 + h // cols, h % cols]
-        ax.imshow(maps.reshape(grid_size), cmap="inferno")
-        ax.set_title(f"head {h}")
-    fig.suptitle("last layer attention" + (" of the class token" if has_class_token else ""))
-    fig.tight_layout()
-    return _save(fig, path)
-
-
-def plot_mean_distance(distances, path, image_size=None):
-    """Mean attention distance of every head against network depth (Figure 7, right)."""
-    plt = _pyplot()
-    layers, heads = distances.shape
-    fig, ax = plt.subplots(figsize=(5, 4))
-    for h in range(heads):
-        ax.scatter(np.arange(layers), distances[:, h], s=12, label=f"head {h}" if heads <= 16 else None)
-    ax.set_xlabel("network depth (layer)")
-    ax.set_ylabel("mean attention distance (pixels)")
-    if image_size:
-        ax.set_ylim(0, math.hypot(*image_size))
-    if heads <= 16:
-        ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    return _save(fig, path)
-
-
-def plot_position_similarity(similarity, path):
-    """For each patch position, its embedding's cosine similarity with all others (Figure 7, centre)."""
-    plt = _pyplot()
-    gh, gw = similarity.shape[:2]
-    fig, axes = plt.subplots(gh, gw, figsize=(max(gw, 2) * 0.8, max(gh, 2) * 0.8), squeeze=False)
-    for i in range(gh):
-        for j in range(gw):
-            axes[i, j].imshow(similarity[i, j], cmap="viridis", vmin=-1, vmax=1)
-            axes[i, j].axis("off")
-    fig.suptitle("position embedding similarity")
-    return _save(fig, path)
-
-
-def plot_filters(filters, path):
-    """Principal components of the patch-embedding filters as RGB patches (Figure 7, left)."""
-    plt = _pyplot()
-    count = len(filters)
-    cols = min(count, 7)
-    rows = math.ceil(count / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(cols, rows), squeeze=False)
-    for ax in axes.ravel():
-        ax.axis("off")
-    for k, component in enumerate(filters):
-        low, high = component.min(), component.max()
-        shown = (component - low) / max(high - low, 1e-12)
-        axes[k // cols, k % cols].imshow(shown[..., 0] if shown.shape[-1] == 1 else shown, cmap="gray")
-    fig.suptitle("patch embedding filters (principal components)")
-    return _save(fig, path)
-
-
-def _fitting_fontsize(width_in, height_in, characters, largest=9.0):
-    """The font size (points) at which `characters` characters fit in a box of these inches."""
-    # A digit is about 0.6 em wide; one more em leaves room for the label's padding.
-    return min(largest, 72 * width_in / (0.6 * characters + 1.0), 72 * height_in * 0.7)
-
-
-def plot_patch_grid(image, sequence, path, *, columns=None):
-    """The image with its patch grid, and its patches laid out in order (paper Figure 1).
-
-    Top: the image, the grid drawn over it and each cell labelled with its
-    position in the encoder's sequence.  Below: the sequence itself, read
-    left to right and top to bottom, each patch under its position index;
-    with a class token, a "[class]" slot at position 0 comes first.
-
-    Args:
-        image: the image `sequence` was cut from.
-        sequence: a `PatchSequence` from `patch_sequence`.
-        path: where the PNG goes (local or gs://).
-        columns: slots per row of the sequence (default: all, at most 16).
-    """
-    plt = _pyplot()
-    shown = _display_image(image)
-    height, width = shown.shape[:2]
-    (gh, gw), (ph, pw) = sequence.grid_size, sequence.patch_size
-    if (gh * ph, gw * pw) != (height, width):
-        raise ValueError(
-            f"The sequence's {sequence.grid_size} grid of {sequence.patch_size} pixel patches does not "
-            f"cover the image. Received: image of height and width {(height, width)}"
-        )
-    count = len(sequence.positions) + sequence.class_token
-    columns = min(count, 16) if columns is None else columns
-    if not isinstance(columns, int) or columns < 1:
-        raise ValueError(f"`columns` must be a positive integer. Received: columns={columns!r}")
-    seq_rows = math.ceil(count / columns)
-    # The sequence in units of one patch width: each slot is a patch under a label band.
-    aspect, gap, band = ph / pw, 0.2, 0.5
-    slot_w, slot_h = 1 + gap, aspect + band + gap
-    fig_w = min(max(columns * 0.6, 4.0), 10.0)
-    image_w = min(fig_w * 0.6, 4.0 * width / height)
-    image_h = image_w * height / width
-    seq_h = fig_w * seq_rows * slot_h / (columns * slot_w)
-    fig = plt.figure(figsize=(fig_w, image_h + seq_h + 1.0))
-    grid_ax, seq_ax = fig.subplots(2, 1, gridspec_kw={"height_ratios": [image_h, seq_h]})
-
-    digits = len(str(int(sequence.positions[-1])))
-    grid_ax.imshow(shown, cmap="gray", interpolation="nearest", extent=(0, width, height, 0))
-    for x in range(0, width + 1, pw):
-        grid_ax.axvline(x, color="white", linewidth=1)
-    for y in range(0, height + 1, ph):
-        grid_ax.axhline(y, color="white", linewidth=1)
-    fontsize = _fitting_fontsize(image_w / gw, image_h / gh, digits)
-    if fontsize >= 4:  # Smaller labels are unreadable; the sequence below carries them.
-        for (top, left, bottom, right), position in zip(sequence.boxes, sequence.positions):
-            grid_ax.text(
-                (left + right) / 2, (top + bottom) / 2, str(position), color="white", fontsize=fontsize,
-                ha="center", va="center", bbox={"facecolor": "black", "alpha": 0.4, "pad": 0.5, "linewidth": 0},
-            )
-    grid_ax.set_title(f"{gh}x{gw} patches of {ph}x{pw} pixels", fontsize=10)
-    grid_ax.axis("off")
-
-    cmap = "gray" if shown.ndim == 2 else None
-    label_size = _fitting_fontsize(fig_w / columns, band * fig_w / (columns * slot_w), digits)
-    # Patches are cut from the displayed image, so they share its scaling; None is the class token.
-    crops = [shown[top:bottom, left:right] for top, left, bottom, right in sequence.boxes]
-    slots = list(zip(sequence.positions, crops))
-    if sequence.class_token:
-        slots.insert(0, (0, None))
-    for k, (position, crop) in enumerate(slots):
-        left, top = (k % columns) * slot_w, (k // columns) * slot_h + band
-        if crop is None:
-            seq_ax.add_patch(
-                plt.Rectangle((left, top), 1, aspect, facecolor="#d9c8ec", edgecolor="#6a3d9a", linewidth=1)
-            )
-            seq_ax.text(
-                left + 0.5, top + aspect / 2, "[class]", ha="center", va="center",
-                fontsize=_fitting_fontsize(fig_w / columns, aspect * fig_w / (columns * slot_w), 7, 8.0),
-            )
-        else:
-            seq_ax.imshow(
-                crop, cmap=cmap, vmin=0, vmax=1, interpolation="nearest", extent=(left, left + 1, top + aspect, top)
-            )
-        seq_ax.text(left + 0.5, top - 0.05, str(position), ha="center", va="bottom", fontsize=label_size)
-    seq_ax.set_xlim(-gap / 2, columns * slot_w - gap / 2)
-    seq_ax.set_ylim(seq_rows * slot_h, 0)
-    seq_ax.set_aspect("equal")
-    seq_ax.set_title("the sequence the encoder reads (position index above each patch)", fontsize=10)
-    seq_ax.axis("off")
-    fig.tight_layout()
-    return _save(fig, path)
-
-
-def write_figures(model, image, out_dir, *, prefix=""):
-    """Writes every figure for one image into `out_dir`; returns the paths.
-
-    The files (each name after `prefix`): `patch_grid.png` (the image as the
-    sequence of patches the encoder reads), `attention_rollout.png`,
-    `head_attention.png`, `mean_attention_distance.png`,
-    `position_similarity.png` and, except for hybrids, whose embedding acts
-    on ResNet features rather than pixels, `embedding_filters.png`.
-    """
-    import tensorflow as tf
-
-    tf.io.gfile.makedirs(str(out_dir))
-    image = _check_images(model, image)[:1]
-    grid_size, patch_size, has_class_token = _grid(model)
-    attentions = attention_weights(model, image)
-    join = lambda name: f"{str(out_dir).rstrip('/')}/{prefix}{name}"  # noqa: E731
-    height, width = image.shape[1:3]
-    paths = [
-        plot_patch_grid(image[0], patch_sequence(model, image), join("patch_grid.png")),
-        plot_attention_rollout(image[0], attention_rollout(model, image)[0], join("attention_rollout.png")),
-        plot_head_attention(image[0], attentions[-1, 0], grid_size, has_class_token, join("head_attention.png")),
-        plot_mean_distance(
-            mean_distance(attentions, grid_size, patch_size, has_class_token),
-            join("mean_attention_distance.png"),
-            image_size=(height, width),
-        ),
-        plot_position_similarity(position_embedding_similarity(model), join("position_similarity.png")),
-    ]
-    if _resnet_stride(model) == 1:  # Hybrids embed ResNet features, not pixels.
-        encoder = _patch_encoder(model)
-        patch_values = int(np.prod(encoder.kernel.shape[:3]))
-        filters = patch_embedding_filters(model, min(28, encoder.hidden_dim, patch_values))
-        paths.append(plot_filters(filters, join("embedding_filters.png")))
-    return paths
