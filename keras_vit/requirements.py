@@ -24,7 +24,7 @@ BUILDS = (
 )
 
 
-def _version_tuple(version):
+def version_tuple(version):
     numbers = []
     for part in version.split(".")[:2]:
         digits = "".join(c for c in part if c.isdigit()) or "0"
@@ -57,11 +57,15 @@ def missing_tensorflow_message(needed_by):
 
 def check_tensorflow(needed_by="keras_vit"):
     """Raises ImportError naming the TensorFlow builds when none (or one too old) is importable."""
-    if importlib.util.find_spec("tensorflow") is None:
+    try:
+        spec = importlib.util.find_spec("tensorflow")
+    except (ImportError, ValueError):  # a finder that refuses it, or a broken half-import
+        spec = None
+    if spec is None:
         raise ImportError(missing_tensorflow_message(needed_by))
     versions = [_distribution_version(name) for name in TENSORFLOW_DISTRIBUTIONS]
     versions = [version for version in versions if version is not None]
-    old = [v for v in versions if _version_tuple(v) < MINIMUM_TENSORFLOW]
+    old = [v for v in versions if version_tuple(v) < MINIMUM_TENSORFLOW]
     if old and len(old) == len(versions):
         raise ImportError(
             f"{needed_by} needs TensorFlow {'.'.join(map(str, MINIMUM_TENSORFLOW))} or newer; this environment "
