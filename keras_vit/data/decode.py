@@ -1,0 +1,176 @@
+"""Encoded images to uint8 RGB arrays, and the examples that fail to decode skipped and named.
+
+`decode_image` reads every format a folder of photos holds; `decode_skipping_failures` runs it over a pass of
+records inside tf.data, leaves out those that fail and names them in a `DecodeFailures`.
+"""
+
+import re
+import threading
+
+import tensorflow as tf
+from absl import logging
+
+# The first bytes of each format tf.io.decode_image reads.
+IMAGE_MAGIC = {"JPEG": b"\xff\xd8\xff", "PNG": b"\x89PNG", "GIF": b"GIF8", "BMP": b"BM"}
+
+
+def decode_image(encoded):
+    """Encoded JPEG, PNG, GIF, BMP or WebP bytes -> uint8 (H, W, 3).
+
+    Grey-scale and palette images are expanded to RGB, an alpha channel is
+    dropped, CMYK JPEGs are converted, 16-bit PNGs are scaled to 8 bits
+    (`value >> 8`) and a GIF gives its first frame.  Data it cannot decode
+    raises `tf.errors.InvalidArgumentError`.
+    """
+    image = tf.io.decode_image(encoded, channels=3, dtype=tf.uint8, expand_animations=False)
+    image.set_shape([None, None, 3])
+    return image
+
+
+class DecodeFailures:
+    """The examples of an `ImageSource` that could not be read or decoded: skipped, and named here.
+
+    Filled by the input pipelines as they meet each failure; each one is
+    logged once (an absl warning with its name and the error) when first met.
+    `count` and `paths` (in the order met) are what a job reports at its end.
+    In a run over several hosts each host holds the failures of the files it
+    read itself.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._errors = {}
+        self._unnamed = {}
+
+    def record(self, name, error):
+        """Adds one failure; returns whether `name` was new."""
+        with self._lock:
+            new = name not in self._errors
+            if new:
+                self._errors[name] = error
+        if new:
+            logging.warning("Skipped %s: it could not be read or decoded as an image: %s", name, error)
+        return new
+
+    def record_unnamed(self, count, before):
+        """Adds `count` failures in a row whose names were not kept, met just before `before`."""
+        with self._lock:
+            new = before not in self._unnamed
+            self._unnamed[before] = count
+        if new:
+            logging.warning("Skipped %d more examples that failed in a row before %s (not named).", count, before)
+
+    @property
+    def count(self):
+        """The number of distinct examples skipped."""
+        with self._lock:
+            return len(self._errors) + sum(self._unnamed.values())
+
+    @property
+    def paths(self):
+        """The names (paths, TFDS ids) of the examples skipped, in the order met."""
+        with self._lock:
+            return list(self._errors)
+
+    @property
+    def errors(self):
+        """{name: the error's message}."""
+        with self._lock:
+            return dict(self._errors)
+
+    def __len__(self):
+        return self.count
+
+    def __contains__(self, name):
+        with self._lock:
+            return name in self._errors
+
+    def __repr__(self):
+        paths = self.paths
+        return f"DecodeFailures(count={self.count}, paths={paths[:3]}{'...' if len(paths) > 3 else ''})"
+
+
+def _error_message(error):
+    """The useful part of an eager op's error: no function-node prefix, no op suffix."""
+    message = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", error.message).split(" [Op:")[0]
+    return message.strip() or type(error).__name__
+
+
+# A 1x1 PNG: the record that ends each pass of `decode_skipping_failures`.
+_ONE_PIXEL_PNG = (
+    b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x02\x00\x00\x00\x90wS\xde"
+    b"\x00\x00\x00\x0cIDAT\x08\xd7c```\x00\x00\x00\x04\x00\x01'4'\n\x00\x00\x00\x00IEND\xaeB`\x82"
+)
+# The names of up to this many failures in a row are kept; more are counted.
+NAMED_IN_A_ROW = 64
+
+
+def decode_skipping_failures(records, load, failures, what, reload):
+    """One pass of (reference, label, name) records -> (uint8 (H, W, 3) image, label), failures left out.
+
+    `load` maps a reference to encoded bytes in the graph (`tf.io.read_file`
+    for paths, the identity for bytes); `reload(name)` gives them again,
+    eagerly, for the message of an error.
+
+    The records are numbered, each carrying the names of the
+    `NAMED_IN_A_ROW` records before it; they are loaded and decoded by a
+    parallel map in order, and `ignore_errors` drops a record that fails.  A
+    gap in the numbers that come out is the failures, named by the record
+    after them, which calls Python (to log them and fill `failures`, a
+    `DecodeFailures`); a valid 1x1 image ends the pass so that failures at the
+    end are seen too.  Good records never leave the graph: no Python, no GIL,
+    no dataset per record (the two other ways to catch one record's error,
+    both slower).  When every record of the pass fails, iterating raises an
+    error naming `what`: there is nothing to train on, and a repeated pipeline
+    would otherwise spin forever.
+    """
+    end = tf.data.Dataset.from_tensors((tf.constant(""), tf.constant(-1, tf.int32), tf.constant("")))
+
+    def number(state, record):
+        index, previous = state
+        reference, label, name = record
+        return (index + 1, tf.concat([previous[1:], [name]], 0)), (index, reference, label, previous)
+
+    def decode(index, reference, label, previous):
+        encoded = tf.cond(label < 0, lambda: tf.constant(_ONE_PIXEL_PNG), lambda: load(reference))
+        return index, decode_image(encoded), label, previous
+
+    def measure_gap(last, element):
+        index, image, label, previous = element
+        return index, (index - last - 1, last < 0, image, label, previous)
+
+    def note(missing, nothing_yet, label, previous):
+        missing = int(missing)
+        names = [name.decode("utf-8", errors="replace") for name in previous.numpy()[-missing:]]
+        for name in names:
+            if name in failures:  # Met in an earlier pass.
+                continue
+            try:  # Once more, eagerly, for the error's message.
+                decode_image(reload(name))
+                error = "failed in the input pipeline, decoded when tried again (a transient read error?)"
+            except tf.errors.OpError as e:
+                error = _error_message(e)
+            failures.record(name, error)
+        if missing > len(names):
+            failures.record_unnamed(missing - len(names), names[0])
+        if label < 0 and nothing_yet:
+            raise ValueError(
+                f"All {missing} examples of {what} failed to read or decode (e.g. {names[-1]}: "
+                f"{failures.errors.get(names[-1])}). Expected JPEG, PNG, GIF, BMP or WebP images."
+            )
+        return True
+
+    def keep(missing, nothing_yet, image, label, previous):
+        noted = tf.cond(
+            missing > 0,
+            lambda: tf.reshape(tf.py_function(note, [missing, nothing_yet, label, previous], tf.bool), []),
+            lambda: tf.constant(True),
+        )
+        return tf.logical_and(noted, label >= 0)
+
+    names = tf.fill([NAMED_IN_A_ROW], "")
+    ds = records.concatenate(end).scan((tf.constant(0, tf.int64), names), number)
+    # In order, whatever the options say: the numbers must come out as they went in.
+    ds = ds.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
+    ds = ds.scan(tf.constant(-1, tf.int64), measure_gap).filter(keep)
+    return ds.map(lambda missing, nothing_yet, image, label, previous: (image, label))
