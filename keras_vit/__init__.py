@@ -13,6 +13,7 @@ from keras_vit.checkpoints import (
     replace_head,
     resample_position_embeddings,
     save_npz,
+    save_timm,
     set_image_size,
 )
 from keras_vit.flops import count_flops
@@ -28,7 +29,6 @@ from keras_vit.mixing import BatchMixer, enable_batch_mixing
 from keras_vit.model import build_vit
 from keras_vit.parallel import check_model_parallel, get_layout_map, make_distribution
 from keras_vit.resnet import BottleneckUnit, ResNetStem, StandardizedConv2D
-from keras_vit.timm_weights import save_timm
 from keras_vit.training import SGD, AdamW, WarmupLinearDecay, learning_rate_schedule, make_optimizer
 from keras_vit.variants import HYBRIDS, MODEL_SIZES, VARIANTS, ViTConfig, parse_variant
 

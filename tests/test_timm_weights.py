@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import keras_vit
-from keras_vit import checkpoints, timm_weights
+from keras_vit import checkpoints
+from keras_vit.checkpoints import timm as timm_weights
 from tests.conftest import random_images, randomize_weights
 
 SMALL = dict(hidden_dim=16, num_layers=2, num_heads=4, mlp_dim=64, patch_size=4)
@@ -104,7 +105,7 @@ def test_split_query_key_value_and_no_embed_class_layouts(tmp_path):
             fused = state_dict.pop(f"blocks.{i}.attn.qkv.{kind}")
             for name, part in zip("qkv", np.split(fused, 3)):
                 state_dict[f"blocks.{i}.attn.{name}.{kind}"] = part
-    timm_weights.write_safetensors(state_dict, str(tmp_path / "split.safetensors"))
+    checkpoints.write_safetensors(state_dict, str(tmp_path / "split.safetensors"))
     loaded = small_vit()
     keras_vit.load_pretrained(loaded, str(tmp_path / "split.safetensors"))
     for key, value in weights_of(model).items():
@@ -153,7 +154,7 @@ def test_through_tf_gfile(tmp_path):
 
 
 def assert_fails_unchanged(state_dict, tmp_path, pattern, **model_kwargs):
-    timm_weights.write_safetensors(state_dict, str(tmp_path / "bad.safetensors"))
+    checkpoints.write_safetensors(state_dict, str(tmp_path / "bad.safetensors"))
     model = randomize_weights(small_vit(**model_kwargs), seed=5)
     before = weights_of(model)
     with pytest.raises(checkpoints.CheckpointError, match=pattern):
@@ -201,7 +202,7 @@ def test_norm_pre_files_without_a_patch_bias_get_a_zero_bias(tmp_path):
     model = randomize_weights(small_vit(pre_norm=True), seed=7)
     state_dict = timm_weights.to_timm(checkpoints.model_checkpoint(model))
     del state_dict["patch_embed.proj.bias"]
-    timm_weights.write_safetensors(state_dict, str(tmp_path / "clip.safetensors"))
+    checkpoints.write_safetensors(state_dict, str(tmp_path / "clip.safetensors"))
     loaded = randomize_weights(small_vit(pre_norm=True), seed=8)
     notes = keras_vit.load_pretrained(loaded, str(tmp_path / "clip.safetensors"))
     assert any("no bias" in note for note in notes)

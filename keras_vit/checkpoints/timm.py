@@ -1,38 +1,46 @@
-"""timm's Vision Transformer weights: the files people download from the Hugging Face hub.
+"""timm's Vision Transformer state dicts: their names and layouts to and from the original checkpoints'.
 
 timm (huggingface/pytorch-image-models) publishes its ViTs, among them the
 original and AugReg Google weights it converted, as PyTorch state dicts in
 `model.safetensors` files (e.g. the hub repository
-`timm/vit_base_patch16_224.augreg2_in21k_ft_in1k`). This module reads them
-with the `safetensors` package's NumPy API (no PyTorch, nothing unpickled) and
-converts their names and layouts to and from the original checkpoints'
-(`keras_vit.checkpoints`), so `load_pretrained` takes them like an `.npz`:
+`timm/vit_base_patch16_224.augreg2_in21k_ft_in1k`). This module converts their
+names and layouts to and from the original checkpoints' (those
+`keras_vit.checkpoints.google` reads), so `load_pretrained` takes them like an
+`.npz`. timm's name, then the original name (`T/` stands for `Transformer/`,
+`.../` for `T/encoderblock_{i}/`), then what changes:
 
-| timm | here (original names) | layout |
-|---|---|---|
-| `patch_embed.proj.weight` (D, C, P, P), `.bias` | `embedding/kernel` (P, P, C, D), `/bias` | transposed |
-| `cls_token` (1, 1, D) | `cls` | |
-| `pos_embed` (1, [1 +] N, D) | `Transformer/posembed_input/pos_embedding` | a zero class-token row where timm's `no_embed_class` left it out |
-| `norm_pre.*` | `pre_norm/*` (build_vit `pre_norm=True`) | |
-| `blocks.{i}.norm1.*`, `norm2.*` | `.../encoderblock_{i}/LayerNorm_0/*`, `LayerNorm_2/*` | weight -> scale |
-| `blocks.{i}.attn.qkv.weight` (3D, D), `.bias`, or `attn.{q,k,v}.*` | `.../MultiHeadDotProductAttention_1/{query,key,value}/kernel` (D, heads, head_dim), `bias` | rows split, transposed |
-| `blocks.{i}.attn.proj.*` | `.../out/kernel` (heads, head_dim, D), `out/bias` | transposed |
-| `blocks.{i}.mlp.fc1.*`, `fc2.*` | `.../MlpBlock_3/Dense_0/*`, `Dense_1/*` | Linear (out, in) -> kernel (in, out) |
-| `norm.*` | `Transformer/encoder_norm/*` | |
-| `fc_norm.*` (GAP heads) | `pooled_norm/*` (build_vit `pooled_norm=True`) | |
-| `attn_pool.{latent, q, kv, proj, norm, mlp.fc1, mlp.fc2}` | `MAPHead_0/{probe, MultiHeadDotProductAttention_0/{query, key + value, out}, LayerNorm_0, MlpBlock_0/Dense_0, Dense_1}` | |
-| `pre_logits.fc.*`, `head.*` | `pre_logits/*`, `head/*` | transposed |
+- `patch_embed.proj.weight` (D, C, P, P), `.bias` -> `embedding/kernel`
+  (P, P, C, D), `/bias`: transposed;
+- `cls_token` (1, 1, D) -> `cls`;
+- `pos_embed` (1, [1 +] N, D) -> `T/posembed_input/pos_embedding`: a zero
+  class-token row where timm's `no_embed_class` left it out;
+- `norm_pre.*` -> `pre_norm/*` (build_vit `pre_norm=True`);
+- `blocks.{i}.norm1.*`, `norm2.*` -> `.../LayerNorm_0/*`, `LayerNorm_2/*`:
+  weight -> scale;
+- `blocks.{i}.attn.qkv.weight` (3D, D), `.bias`, or `attn.{q,k,v}.*` ->
+  `.../MultiHeadDotProductAttention_1/{query,key,value}/kernel`
+  (D, heads, head_dim), `bias`: rows split, transposed;
+- `blocks.{i}.attn.proj.*` -> `.../out/kernel` (heads, head_dim, D),
+  `out/bias`: transposed;
+- `blocks.{i}.mlp.fc1.*`, `fc2.*` -> `.../MlpBlock_3/Dense_0/*`, `Dense_1/*`:
+  Linear (out, in) -> kernel (in, out);
+- `norm.*` -> `T/encoder_norm/*`;
+- `fc_norm.*` (GAP heads) -> `pooled_norm/*` (build_vit `pooled_norm=True`);
+- `attn_pool.{latent, q, kv, proj, norm, mlp.fc1, mlp.fc2}` ->
+  `MAPHead_0/{probe, MultiHeadDotProductAttention_0/{query, key + value, out},
+  LayerNorm_0, MlpBlock_0/Dense_0, Dense_1}`;
+- `pre_logits.fc.*`, `head.*` -> `pre_logits/*`, `head/*`: transposed.
 
-Conversion is pure functions on dicts of NumPy arrays (`from_timm`,
-`to_timm`), as in `keras_vit.checkpoints`; `read_safetensors`,
-`write_safetensors` and `save_timm` add the files.
+Conversion is pure functions on dicts of NumPy arrays (`from_timm`, `to_timm`);
+`keras_vit.checkpoints.formats` reads and writes the `.safetensors` files and
+`keras_vit.checkpoints.model_io.save_timm` writes a model in this layout.
 """
 
 import re
 
 import numpy as np
 
-from keras_vit.checkpoints import CheckpointError
+from keras_vit.checkpoints.base import BLOCK_ATTENTION, MAP_ATTENTION, POSEMB, CheckpointError, square_side
 
 # timm's key that every ViT state dict has: how a timm file is told from an original one.
 MARKER = "patch_embed.proj.weight"
@@ -48,9 +56,7 @@ _PROJECTION_BIAS = "projection_bias"  # (n * D,) <-> n biases (heads, head_dim)
 _OUT = "out"  # (D, D) <-> (heads, head_dim, D)
 
 _BLOCK = "Transformer/encoderblock_{i}/"
-_BLOCK_ATTENTION = _BLOCK + "MultiHeadDotProductAttention_1"
-_MAP_ATTENTION = "MAPHead_0/MultiHeadDotProductAttention_0"
-_POSEMB = "Transformer/posembed_input/pos_embedding"
+_BLOCK_ATTENTION = _BLOCK + BLOCK_ATTENTION
 
 
 def _norm(timm, ours):
@@ -79,7 +85,7 @@ def _attention(timm, attention):
 # same original keys (fused or split query/key/value), `to_timm` writes the first.
 RULES = (
     ("cls_token", ("cls",), _SAME),
-    ("pos_embed", (_POSEMB,), _SAME),
+    ("pos_embed", (POSEMB,), _SAME),
     ("patch_embed.proj.weight", ("embedding/kernel",), _CONV),
     ("patch_embed.proj.bias", ("embedding/bias",), _SAME),
     *_norm("norm_pre", "pre_norm"),
@@ -95,9 +101,9 @@ RULES = (
     *_norm("norm", "Transformer/encoder_norm"),
     *_norm("fc_norm", "pooled_norm"),
     ("attn_pool.latent", ("MAPHead_0/probe",), _SAME),
-    *_projections("attn_pool.q", _MAP_ATTENTION, ("query",)),
-    *_projections("attn_pool.kv", _MAP_ATTENTION, ("key", "value")),
-    *_attention("attn_pool", _MAP_ATTENTION),
+    *_projections("attn_pool.q", MAP_ATTENTION, ("query",)),
+    *_projections("attn_pool.kv", MAP_ATTENTION, ("key", "value")),
+    *_attention("attn_pool", MAP_ATTENTION),
     *_norm("attn_pool.norm", "MAPHead_0/LayerNorm_0"),
     *_linear("attn_pool.mlp.fc1", "MAPHead_0/MlpBlock_0/Dense_0"),
     *_linear("attn_pool.mlp.fc2", "MAPHead_0/MlpBlock_0/Dense_1"),
@@ -182,10 +188,6 @@ def _to_timm_layout(values, layout):
     return values[0]
 
 
-def _is_square(n):
-    return n >= 0 and int(round(n**0.5)) ** 2 == n
-
-
 def from_timm(state_dict, num_heads, grid_size=None):
     """A timm ViT state dict -> the original checkpoint's names and layouts (what `canonicalize` gives).
 
@@ -228,13 +230,16 @@ def from_timm(state_dict, num_heads, grid_size=None):
         # timm builds the patch embedding without a bias where it has norm_pre (CLIP's layout).
         params["embedding/bias"] = np.zeros(params["embedding/kernel"].shape[-1], params["embedding/kernel"].dtype)
         notes.append("The timm file's patch embedding has no bias (norm_pre models): a zero bias set.")
-    if "cls" in params and _POSEMB in params:
-        rows = params[_POSEMB].shape[1]
+    if "cls" in params and POSEMB in params:
+        rows = params[POSEMB].shape[1]
         patches = None if grid_size is None else grid_size[0] * grid_size[1]
-        with_row = rows == patches + 1 if patches is not None and rows in (patches, patches + 1) else not _is_square(rows)
+        if patches is not None and rows in (patches, patches + 1):
+            with_row = rows == patches + 1
+        else:  # Without the model's grid: a square number of rows is the patches alone.
+            with_row = square_side(rows) is None
         if not with_row:
             # timm's no_embed_class: the class token has no position, i.e. a zero row.
-            params[_POSEMB] = np.concatenate([np.zeros_like(params[_POSEMB][:, :1]), params[_POSEMB]], axis=1)
+            params[POSEMB] = np.concatenate([np.zeros_like(params[POSEMB][:, :1]), params[POSEMB]], axis=1)
     return params, notes
 
 
@@ -256,67 +261,10 @@ def to_timm(params):
             keys = [original.replace("{i}", index) for original in originals]
             if any(k in written or k not in params for k in keys):
                 continue
-            state_dict[timm.replace("{i}", index)] = np.ascontiguousarray(_to_timm_layout([params[k] for k in keys], layout))
+            value = _to_timm_layout([params[k] for k in keys], layout)
+            state_dict[timm.replace("{i}", index)] = np.ascontiguousarray(value)
             written.update(keys)
     missing = sorted(set(params) - written)
     if missing:
         raise CheckpointError(f"No timm key is known for {missing[:5]}.")
     return state_dict
-
-
-# === Files ===
-
-
-def read_safetensors(data, path):
-    """The arrays of a .safetensors file's bytes `data` (read from `path`), with the `safetensors`
-    package's NumPy API; bfloat16 arrays are widened to float32 (NumPy has no bfloat16)."""
-    import safetensors
-    import safetensors.numpy
-
-    try:
-        return safetensors.numpy.load(data)
-    except KeyError:  # A dtype the NumPy API has no NumPy type for.
-        pass
-    except safetensors.SafetensorError as error:
-        raise CheckpointError(f"{path!r} is truncated or corrupt: {error}") from None
-    arrays = {}
-    for key, view in safetensors.deserialize(data):
-        if view["dtype"] != "BF16":
-            raise CheckpointError(
-                f"{path!r}: the array {key!r} has dtype {view['dtype']}; expected a float type (F64, F32, F16, BF16)."
-            )
-        bits = np.frombuffer(view["data"], dtype="<u2").astype(np.uint32) << 16
-        arrays[key] = bits.view(np.float32).reshape(view["shape"])
-    return arrays
-
-
-def is_safetensors(data):
-    """Whether `data` starts like a .safetensors file: a little-endian u64 header size, then a JSON object."""
-    return len(data) > 8 and data[8:9] == b"{" and int.from_bytes(data[:8], "little") <= len(data) - 8
-
-
-def write_safetensors(arrays, path):
-    """Writes a dict of arrays as a .safetensors file (local or gs:// path), marked as PyTorch's
-    layout (metadata format "pt") as timm's files are."""
-    import safetensors.numpy
-    import tensorflow as tf
-
-    data = safetensors.numpy.save({k: np.ascontiguousarray(v) for k, v in arrays.items()}, metadata={"format": "pt"})
-    with tf.io.gfile.GFile(path, "wb") as f:
-        f.write(data)
-
-
-def save_timm(model, path):
-    """Writes a model from `build_vit` as a timm ViT state dict: `.safetensors` (or `.npz` by the suffix).
-
-    timm's `VisionTransformer` with the same architecture loads the file
-    (`load_state_dict`); `load_pretrained` reads it back exactly. Fixed
-    sin-cos position embeddings are no weight and are not written.
-    """
-    from keras_vit import checkpoints
-
-    state_dict = to_timm(checkpoints.model_checkpoint(model))
-    if str(path).endswith(".npz"):
-        checkpoints.write_npz(state_dict, path)
-    else:
-        write_safetensors(state_dict, path)

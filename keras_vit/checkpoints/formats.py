@@ -1,0 +1,125 @@
+"""Checkpoint files: .npz and .safetensors, read and written as dicts of NumPy arrays.
+
+Paths go through `tf.io.gfile`, so local, `gs://` and `ram://` paths are alike. Nothing is unpickled: .npz
+files are read with pickling disabled, .safetensors files with the `safetensors` package's NumPy API (no
+PyTorch). The two formats are told apart by their contents, not by the suffix (`read_checkpoint`).
+"""
+
+import io
+import zipfile
+
+import numpy as np
+
+from keras_vit.checkpoints.base import CheckpointError
+
+# === Bytes ===
+
+
+def read_bytes(path):
+    """The bytes of the file at `path` (local or gs:// path); FileNotFoundError if there is none."""
+    import tensorflow as tf
+
+    if not tf.io.gfile.exists(path):
+        raise FileNotFoundError(f"No checkpoint at {path!r}.")
+    with tf.io.gfile.GFile(path, "rb") as f:
+        return f.read()
+
+
+def write_bytes(data, path):
+    """Writes `data` to the file at `path` (local or gs:// path)."""
+    import tensorflow as tf
+
+    with tf.io.gfile.GFile(path, "wb") as f:
+        f.write(data)
+
+
+# === .npz ===
+
+
+def read_npz_bytes(data, path, other_format=None):
+    """The arrays of an .npz file's bytes `data` (read from `path`, named in errors), pickling disabled.
+
+    `other_format` describes what else the bytes were tried as, for the message when they are no zip archive.
+    """
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        raise CheckpointError(
+            f"{path!r} is not an .npz checkpoint (a zip archive of .npy arrays)"
+            + (f" {other_format}" if other_format else "")
+            + f"; read {len(data)} bytes starting {data[:8]!r}. A truncated download looks like this too."
+        )
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            return {key: npz[key] for key in npz.files}
+    except ValueError as error:
+        if "allow_pickle" in str(error):
+            raise CheckpointError(
+                f"{path!r} holds a pickled Python object; checkpoints are read with pickling "
+                "disabled, so it was refused (it was not executed)."
+            ) from None
+        raise CheckpointError(f"{path!r} is not a readable .npz checkpoint: {error}") from None
+    except (zipfile.BadZipFile, EOFError, OSError) as error:
+        raise CheckpointError(f"{path!r} is truncated or corrupt: {error}") from None
+
+
+def read_npz(path):
+    """Reads an .npz checkpoint (local or gs:// path) as a dict of arrays, pickling disabled."""
+    return read_npz_bytes(read_bytes(path), path)
+
+
+def write_npz(params, path):
+    """Writes a dict of arrays as an .npz file (local or gs:// path)."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **params)
+    write_bytes(buffer.getvalue(), path)
+
+
+# === .safetensors ===
+
+
+def is_safetensors(data):
+    """Whether `data` starts like a .safetensors file: a little-endian u64 header size, then a JSON object."""
+    return len(data) > 8 and data[8:9] == b"{" and int.from_bytes(data[:8], "little") <= len(data) - 8
+
+
+def read_safetensors(data, path):
+    """The arrays of a .safetensors file's bytes `data` (read from `path`), with the `safetensors`
+    package's NumPy API; bfloat16 arrays are widened to float32 (NumPy has no bfloat16)."""
+    import safetensors
+    import safetensors.numpy
+
+    try:
+        return safetensors.numpy.load(data)
+    except KeyError:  # A dtype the NumPy API has no NumPy type for.
+        pass
+    except safetensors.SafetensorError as error:
+        raise CheckpointError(f"{path!r} is truncated or corrupt: {error}") from None
+    arrays = {}
+    for key, view in safetensors.deserialize(data):
+        if view["dtype"] != "BF16":
+            raise CheckpointError(
+                f"{path!r}: the array {key!r} has dtype {view['dtype']}; expected a float type (F64, F32, F16, BF16)."
+            )
+        bits = np.frombuffer(view["data"], dtype="<u2").astype(np.uint32) << 16
+        arrays[key] = bits.view(np.float32).reshape(view["shape"])
+    return arrays
+
+
+def write_safetensors(arrays, path):
+    """Writes a dict of arrays as a .safetensors file (local or gs:// path), marked as PyTorch's
+    layout (metadata format "pt") as timm's files are."""
+    import safetensors.numpy
+
+    data = safetensors.numpy.save({k: np.ascontiguousarray(v) for k, v in arrays.items()}, metadata={"format": "pt"})
+    write_bytes(data, path)
+
+
+# === Either ===
+
+
+def read_checkpoint(path):
+    """Reads an .npz or .safetensors checkpoint (local or gs:// path, told apart by their contents)
+    as a dict of arrays; nothing is unpickled."""
+    data = read_bytes(path)
+    if is_safetensors(data):
+        return read_safetensors(data, path)
+    return read_npz_bytes(data, path, "nor a .safetensors file (a JSON header, then the arrays)")

@@ -1,0 +1,110 @@
+"""A model from `build_vit` read from and written to checkpoint files: `load_pretrained`, `save_npz`,
+`save_timm`.
+
+The top of `keras_vit.checkpoints`: it reads a file (`formats`), converts its layout (`timm`, then `google`,
+which resamples the position embeddings) and only then touches the model, so a load either completes or
+changes nothing.
+"""
+
+import logging
+
+import keras
+
+from keras_vit.checkpoints import timm
+from keras_vit.checkpoints.base import check_interpolation
+from keras_vit.checkpoints.formats import read_checkpoint, write_npz, write_safetensors
+from keras_vit.checkpoints.google import canonicalize, convert_checkpoint, to_checkpoint
+from keras_vit.layers import PatchEncoder, TransformerBlock
+
+log = logging.getLogger("keras_vit")
+
+
+def _encoder(model):
+    encoders = [layer for layer in model.layers if isinstance(layer, PatchEncoder)]
+    if len(encoders) != 1:
+        raise ValueError(f"Expected a model from build_vit with one PatchEncoder; {model.name!r} has {len(encoders)}.")
+    return encoders[0]
+
+
+def _variables(model):
+    """The model's weights by path (random-generator states are not weights)."""
+    return {v.path: v for v in model.weights if "seed_generator" not in v.path}
+
+
+def _num_heads(model):
+    """The attention heads of a model from `build_vit` (1 for one without blocks)."""
+    heads = {layer.num_heads for layer in model.layers if isinstance(layer, TransformerBlock)}
+    return heads.pop() if heads else 1
+
+
+def load_pretrained(model, path, *, interpolation=None, skip_mismatched_head=True):
+    """Loads a ViT checkpoint into a model from `build_vit`: an original one (.npz,
+    local or gs://) or timm's (`model.safetensors` from the Hugging Face hub, or
+    its state dict in an .npz).
+
+    All of the checkpoint is read, converted and checked against the model
+    before any weight is assigned: on any error the model is unchanged.
+
+    Args:
+        model: a model from `build_vit` (any resolution, classifier, head).
+        path: the .npz or .safetensors file (told apart by their contents).
+        interpolation: how position embeddings are resampled when the patch
+            grid differs, see `resample_position_embeddings`; by default as
+            the file's own code does: "bicubic_antialias" (timm's) for timm
+            files, "bicubic" for others.
+        skip_mismatched_head: a head of another shape (another number of
+            classes) is left as initialised (zeros) instead of raising.
+
+    Returns:
+        The notes of the conversion (also logged): resampling, dropped keys,
+        skipped head.
+    """
+    if interpolation is not None:
+        check_interpolation(interpolation)
+    params, grid_size = read_checkpoint(path), _encoder(model).grid_size
+    if timm.MARKER in params:
+        params, notes = timm.from_timm(params, _num_heads(model), grid_size)
+        key_name, interpolation = timm.timm_key, interpolation or "bicubic_antialias"
+    else:
+        params, notes = canonicalize(params), []
+        key_name, interpolation = str, interpolation or "bicubic"
+    variables = _variables(model)
+    weights, conversion_notes = convert_checkpoint(
+        params,
+        {p: tuple(v.shape) for p, v in variables.items()},
+        grid_size,
+        interpolation=interpolation,
+        skip_mismatched_head=skip_mismatched_head,
+        key_name=key_name,
+    )
+    for path_, value in weights.items():
+        variables[path_].assign(value.astype(variables[path_].dtype))
+    notes += conversion_notes
+    for note in notes:
+        log.warning("load_pretrained(%s): %s", path, note)
+    return notes
+
+
+def model_checkpoint(model):
+    """A model's weights in the original checkpoints' names and layouts (what `save_npz` writes)."""
+    weights = {p: keras.ops.convert_to_numpy(v) for p, v in _variables(model).items()}
+    return to_checkpoint(weights, _num_heads(model))
+
+
+def save_npz(model, path):
+    """Writes a model from `build_vit` as an original (vit_jax) .npz checkpoint."""
+    write_npz(model_checkpoint(model), path)
+
+
+def save_timm(model, path):
+    """Writes a model from `build_vit` as a timm ViT state dict: `.safetensors` (or `.npz` by the suffix).
+
+    timm's `VisionTransformer` with the same architecture loads the file
+    (`load_state_dict`); `load_pretrained` reads it back exactly. Fixed
+    sin-cos position embeddings are no weight and are not written.
+    """
+    state_dict = timm.to_timm(model_checkpoint(model))
+    if str(path).endswith(".npz"):
+        write_npz(state_dict, path)
+    else:
+        write_safetensors(state_dict, path)

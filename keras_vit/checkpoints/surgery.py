@@ -1,0 +1,111 @@
+"""Model surgery for transfer learning: another resolution (`set_image_size`), a new head (`replace_head`),
+a frozen backbone (`freeze_backbone`). Weights move from model to model here; no file is read."""
+
+import keras
+
+from keras_vit.checkpoints.base import check_interpolation
+from keras_vit.checkpoints.resample import resample_position_embeddings
+from keras_vit.layers import PatchEncoder
+from keras_vit.variants import to_pair
+
+# === Resolution ===
+
+
+def _is_chain(model):
+    """Whether `model` is a functional chain: an input, then layers each called once on the previous one's output.
+
+    Read from the model's functional config, which lists each layer's calls
+    within the model and the layer every input tensor comes from.
+    """
+    layers = model.layers
+    if not layers or not isinstance(layers[0], keras.layers.InputLayer):
+        return False
+    if len(model.inputs) != 1 or len(model.outputs) != 1:
+        return False
+    configs = model.get_config().get("layers", [])
+    if [config.get("name") for config in configs] != [layer.name for layer in layers]:
+        return False
+    for previous, config in zip(layers, configs[1:]):
+        nodes = config.get("inbound_nodes", [])
+        if len(nodes) != 1 or _source_layers(nodes[0]) != [previous.name]:
+            return False
+    return True
+
+
+def _source_layers(serialized):
+    """The names of the layers that produced the tensors in a serialized call (config["inbound_nodes"][i])."""
+    if isinstance(serialized, dict):
+        if serialized.get("class_name") == "__keras_tensor__":
+            return [serialized["config"]["keras_history"][0]]
+        return [name for value in serialized.values() for name in _source_layers(value)]
+    if isinstance(serialized, (list, tuple)):
+        return [name for value in serialized for name in _source_layers(value)]
+    return []
+
+
+def _rebuild(model, image_size=None):
+    """Rebuilds a chain-shaped model from its layers' configs, optionally at another size."""
+    layers = model.layers
+    if not _is_chain(model):
+        raise ValueError(f"Expected a model from build_vit (a chain of layers); got {model.name!r}.")
+    height, width, channels = model.input_shape[1:]
+    if image_size is not None:
+        height, width = to_pair(image_size, "image_size")
+    inputs = keras.Input((height, width, channels), dtype=model.inputs[0].dtype, name=layers[0].name)
+    x, clones = inputs, []
+    for layer in layers[1:]:
+        clone = layer.__class__.from_config(layer.get_config())
+        x = clone(x)
+        clones.append(clone)
+    return keras.Model(inputs, x, name=model.name), list(zip(layers[1:], clones))
+
+
+def set_image_size(model, image_size, interpolation="bicubic"):
+    """A new model at another resolution with the same weights.
+
+    Learned position embeddings are resampled to the new patch grid (see
+    `resample_position_embeddings`), fixed sin-cos ones are computed for it;
+    every other weight is copied.  Fine-tune at the new size: resampling alone
+    costs accuracy (about 9.5% top-1 from 384 to 224 px,
+    google-research/vision_transformer issue 6).
+    """
+    check_interpolation(interpolation)
+    new_model, pairs = _rebuild(model, image_size)
+    for old, new in pairs:
+        values = old.get_weights()
+        if isinstance(old, PatchEncoder) and old.position_embedding_type == "learned":
+            index = next(i for i, w in enumerate(old.weights) if w is old.position_embedding)
+            values[index] = resample_position_embeddings(
+                values[index], new.grid_size, interpolation,
+                old_grid=old.grid_size, num_prefix_tokens=int(old.use_class_token),
+            )
+        new.set_weights(values)
+    return new_model
+
+
+# === Transfer learning ===
+
+
+def replace_head(model, num_classes, *, name=None):
+    """The same backbone (shared layers and weights) with a new zero-initialised head.
+
+    `num_classes=None` returns the backbone: the pooled (or pre-logits) features.
+    """
+    features = model.get_layer("head").input if "head" in [layer.name for layer in model.layers] else model.output
+    outputs = features
+    if num_classes:
+        outputs = keras.layers.Dense(num_classes, kernel_initializer="zeros", dtype="float32", name="head")(
+            features
+        )
+    return keras.Model(model.inputs, outputs, name=name or model.name)
+
+
+def freeze_backbone(model, trainable=False):
+    """Freezes (or unfreezes) every layer but the head: a linear probe.
+
+    Recompile the model after calling this for the change to take effect.
+    """
+    for layer in model.layers:
+        if layer.name != "head":
+            layer.trainable = trainable
+    return model
