@@ -142,7 +142,9 @@ def test_pre_logits_loaded_or_dropped(tmp_path):
     keras_vit.save_npz(with_rep, path)
     same = small_vit(representation_size=16)
     keras_vit.load_pretrained(same, path)
-    np.testing.assert_array_equal(same.get_layer("pre_logits").kernel.numpy(), with_rep.get_layer("pre_logits").kernel.numpy())
+    np.testing.assert_array_equal(
+        same.get_layer("pre_logits").kernel.numpy(), with_rep.get_layer("pre_logits").kernel.numpy()
+    )
     plain = small_vit()
     notes = keras_vit.load_pretrained(plain, path)
     assert any("pre_logits/kernel" in note and "dropped" in note for note in notes)
@@ -495,8 +497,12 @@ def numpy_big_vision_forward(params, images, gelu):
         attention = prefix + "MultiHeadDotProductAttention_0/"
         out = np.zeros_like(x) + p[attention + "out/bias"]
         for h in range(p[attention + "query/kernel"].shape[1]):
-            q, k, v = (y @ p[f"{attention}{name}/kernel"][:, h] + p[f"{attention}{name}/bias"][h] for name in ("query", "key", "value"))
-            out += numpy_vit.softmax(q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])) @ v @ p[attention + "out/kernel"][h]
+            q, k, v = (
+                y @ p[f"{attention}{name}/kernel"][:, h] + p[f"{attention}{name}/bias"][h]
+                for name in ("query", "key", "value")
+            )
+            weights = numpy_vit.softmax(q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1]))
+            out += weights @ v @ p[attention + "out/kernel"][h]
         x = x + out
         y = numpy_vit.layer_norm(x, p[prefix + "LayerNorm_1/scale"], p[prefix + "LayerNorm_1/bias"])
         y = gelu(y @ p[prefix + "MlpBlock_0/Dense_0/kernel"] + p[prefix + "MlpBlock_0/Dense_0/bias"])
@@ -504,7 +510,8 @@ def numpy_big_vision_forward(params, images, gelu):
         i += 1
     x = numpy_vit.layer_norm(x, p["Transformer/encoder_norm/scale"], p["Transformer/encoder_norm/bias"])
     if "MAPHead_0/probe" in p:
-        pooled = numpy_map_head(x, {k[len("MAPHead_0/") :]: v for k, v in p.items() if k.startswith("MAPHead_0/")}, gelu)
+        head = {k[len("MAPHead_0/") :]: v for k, v in p.items() if k.startswith("MAPHead_0/")}
+        pooled = numpy_map_head(x, head, gelu)
     else:
         pooled = x[:, 0] if "cls" in p else x.mean(axis=1)
     return pooled @ p["head/kernel"] + p["head/bias"]
@@ -559,10 +566,22 @@ def test_big_vision_map_head_names_and_shapes_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "file, model, pattern",
     [
-        (dict(posemb="sincos2d"), dict(classifier="map"), r"no key 'Transformer/posembed_input/pos_embedding'.*position_embedding='sincos2d'"),
-        (dict(posemb="learn"), dict(classifier="map", position_embedding="sincos2d"), r"learned position embeddings.*pos_embedding'\], which the model lacks.*position_embedding='learned'"),
+        (
+            dict(posemb="sincos2d"),
+            dict(classifier="map"),
+            r"no key 'Transformer/posembed_input/pos_embedding'.*position_embedding='sincos2d'",
+        ),
+        (
+            dict(posemb="learn"),
+            dict(classifier="map", position_embedding="sincos2d"),
+            r"learned position embeddings.*pos_embedding'\], which the model lacks.*position_embedding='learned'",
+        ),
         (dict(pool="map"), dict(classifier="gap", position_embedding="sincos2d"), r"MAP head.*classifier='map'"),
-        (dict(pool="gap"), dict(classifier="map", position_embedding="sincos2d"), r"no key 'MAPHead_0/probe'.*classifier='token' or 'gap'"),
+        (
+            dict(pool="gap"),
+            dict(classifier="map", position_embedding="sincos2d"),
+            r"no key 'MAPHead_0/probe'.*classifier='token' or 'gap'",
+        ),
     ],
 )
 def test_big_vision_options_that_do_not_match_the_model_are_named(tmp_path, file, model, pattern):

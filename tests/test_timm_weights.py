@@ -32,7 +32,10 @@ TIMM_BLOCK = {
     **{f"{norm}.{param}": (16,) for norm in ("norm1", "norm2") for param in ("weight", "bias")},
     **{f"{linear}.weight": (out, inputs) for linear, out, inputs in [("attn.qkv", 48, 16), ("attn.proj", 16, 16)]},
     **{f"{linear}.weight": (out, inputs) for linear, out, inputs in [("mlp.fc1", 64, 16), ("mlp.fc2", 16, 64)]},
-    **{f"{linear}.bias": (out,) for linear, out in [("attn.qkv", 48), ("attn.proj", 16), ("mlp.fc1", 64), ("mlp.fc2", 16)]},
+    **{
+        f"{linear}.bias": (out,)
+        for linear, out in [("attn.qkv", 48), ("attn.proj", 16), ("mlp.fc1", 64), ("mlp.fc2", 16)]
+    },
 }
 TIMM_KEYS = {
     "cls_token": (1, 1, 16),
@@ -52,7 +55,10 @@ CASES = {
     "no_embed_class": ({}, {"no_embed_class": True}),
     "gap_fc_norm": (dict(classifier="gap", pooled_norm=True), {"class_token": False, "global_pool": "avg"}),
     "pre_norm": (dict(pre_norm=True), {"pre_norm": True}),
-    "map_tanh": (dict(classifier="map", gelu="tanh"), {"class_token": False, "global_pool": "map", "act_layer": "gelu_tanh"}),
+    "map_tanh": (
+        dict(classifier="map", gelu="tanh"),
+        {"class_token": False, "global_pool": "map", "act_layer": "gelu_tanh"},
+    ),
 }
 
 
@@ -139,7 +145,9 @@ def test_bfloat16_files_are_widened_to_float32(tmp_path):
         np.testing.assert_array_equal(read[key], rounded[key], err_msg=key)
     loaded = small_vit()
     keras_vit.load_pretrained(loaded, str(tmp_path / "bf16.safetensors"))
-    np.testing.assert_allclose(loaded.get_layer("head").kernel.numpy(), model.get_layer("head").kernel.numpy(), rtol=1e-2)
+    np.testing.assert_allclose(
+        loaded.get_layer("head").kernel.numpy(), model.get_layer("head").kernel.numpy(), rtol=1e-2
+    )
 
 
 def test_through_tf_gfile(tmp_path):
@@ -170,31 +178,44 @@ def state_dict():
 
 def test_missing_key_is_named_in_timms_names(state_dict, tmp_path):
     del state_dict["blocks.1.mlp.fc2.weight"]
-    assert_fails_unchanged(state_dict, tmp_path, r"no key 'blocks.1.mlp.fc2.weight'; closest keys present: \['blocks.1.mlp")
+    assert_fails_unchanged(
+        state_dict, tmp_path, r"no key 'blocks.1.mlp.fc2.weight'; closest keys present: \['blocks.1.mlp"
+    )
 
 
 def test_unsupported_timm_parts_are_named(state_dict, tmp_path):
     state_dict["blocks.0.ls1.gamma"] = np.ones(16, "float32")
     state_dict["reg_token"] = np.zeros((1, 4, 16), "float32")
-    assert_fails_unchanged(state_dict, tmp_path, r"no place for.*'blocks.0.ls1.gamma', 'reg_token'.*layer scale.*register tokens")
+    assert_fails_unchanged(
+        state_dict, tmp_path, r"no place for.*'blocks.0.ls1.gamma', 'reg_token'.*layer scale.*register tokens"
+    )
 
 
 def test_wrong_shapes_are_named(state_dict, tmp_path):
     state_dict["blocks.0.attn.qkv.weight"] = np.zeros((47, 16), "float32")
-    assert_fails_unchanged(state_dict, tmp_path, r"'blocks.0.attn.qkv.weight' has shape \(47, 16\); expected \(3 x heads")
+    assert_fails_unchanged(
+        state_dict, tmp_path, r"'blocks.0.attn.qkv.weight' has shape \(47, 16\); expected \(3 x heads"
+    )
     state_dict["blocks.0.attn.qkv.weight"] = np.zeros((48, 12), "float32")
     assert_fails_unchanged(state_dict, tmp_path, r"'encoderblock_0/attention/qkv_kernel'.*\(12, 3, 16\).*\(16, 3, 16\)")
 
 
 def test_options_the_file_and_the_model_disagree_on_are_named(state_dict, tmp_path):
     assert_fails_unchanged(state_dict, tmp_path, r"no key 'norm_pre.weight'.*pre_norm=False", pre_norm=True)
-    state_dict["fc_norm.weight"], state_dict["fc_norm.bias"] = state_dict.pop("norm.weight"), state_dict.pop("norm.bias")
+    state_dict["fc_norm.weight"] = state_dict.pop("norm.weight")
+    state_dict["fc_norm.bias"] = state_dict.pop("norm.bias")
     assert_fails_unchanged(state_dict, tmp_path, r"no key 'norm.weight'.*before the pooling.*pooled_norm=True")
     assert_fails_unchanged(
-        state_dict, tmp_path, r"no key 'attn_pool.latent'.*classifier='token' or 'gap'", classifier="map", pooled_norm=True
+        state_dict,
+        tmp_path,
+        r"no key 'attn_pool.latent'.*classifier='token' or 'gap'",
+        classifier="map",
+        pooled_norm=True,
     )
     state_dict["pos_embed"] = state_dict["pos_embed"][:, :, :8]
-    assert_fails_unchanged(state_dict, tmp_path, r"'patch_encoder/position_embedding'.*\(1, 17, 8\).*\(1, 17, 16\)", pooled_norm=True)
+    assert_fails_unchanged(
+        state_dict, tmp_path, r"'patch_encoder/position_embedding'.*\(1, 17, 8\).*\(1, 17, 16\)", pooled_norm=True
+    )
 
 
 def test_norm_pre_files_without_a_patch_bias_get_a_zero_bias(tmp_path):
@@ -237,12 +258,16 @@ def pillow_bicubic(grid, new_grid):
     return np.stack(channels, axis=-1)
 
 
-@pytest.mark.parametrize("old_grid, new_grid", [((4, 4), (6, 6)), ((4, 4), (2, 3)), ((7, 5), (3, 9)), ((14, 14), (24, 24))])
+@pytest.mark.parametrize(
+    "old_grid, new_grid", [((4, 4), (6, 6)), ((4, 4), (2, 3)), ((7, 5), (3, 9)), ((14, 14), (24, 24))]
+)
 def test_bicubic_antialias_is_pillows_bicubic(old_grid, new_grid):
     rng = np.random.default_rng(0)
     grid = rng.normal(size=(*old_grid, 3))
     posemb = np.concatenate([np.full((1, 1, 3), 7.0), grid.reshape(1, -1, 3)], axis=1)
-    out = keras_vit.resample_position_embeddings(posemb, new_grid, "bicubic_antialias", old_grid=old_grid, num_prefix_tokens=1)
+    out = keras_vit.resample_position_embeddings(
+        posemb, new_grid, "bicubic_antialias", old_grid=old_grid, num_prefix_tokens=1
+    )
     np.testing.assert_array_equal(out[:, 0], posemb[:, 0])
     np.testing.assert_allclose(out[0, 1:].reshape(*new_grid, 3), pillow_bicubic(grid, new_grid), atol=1e-5)
     constant = np.full((1, old_grid[0] * old_grid[1], 2), 0.5)
@@ -268,7 +293,9 @@ out, cases = sys.argv[1], json.loads(sys.argv[2])
 images = dict(np.load(out + "/images.npz"))
 outputs = {}
 for name, (kwargs, sizes) in cases.items():
-    make = lambda size: VisionTransformer(img_size=size, patch_size=4, embed_dim=16, depth=2, num_heads=4, num_classes=5, **kwargs).eval()
+    make = lambda size: VisionTransformer(
+        img_size=size, patch_size=4, embed_dim=16, depth=2, num_heads=4, num_classes=5, **kwargs
+    ).eval()
     model = make(16)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -288,7 +315,11 @@ for name, (kwargs, sizes) in cases.items():
 np.savez(out + "/outputs.npz", **outputs)
 """
 
-SIZES = {"token": [(16, 16), (24, 24), (8, 12)], "no_embed_class": [(16, 16), (24, 16)], "map_tanh": [(16, 16), (24, 24)]}
+SIZES = {
+    "token": [(16, 16), (24, 24), (8, 12)],
+    "no_embed_class": [(16, 16), (24, 16)],
+    "map_tanh": [(16, 16), (24, 24)],
+}
 
 
 def timm_python():
