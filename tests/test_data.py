@@ -304,6 +304,65 @@ def test_randaugment_keeps_uint8_and_evaluation_keeps_every_example(tmp_path):
     assert sum(len(y) for _, y in evaluation) == source.num_test  # every example kept
 
 
+def test_crop_flip_resize_is_seeded_and_resizes_and_flips_as_told():
+    image = tf.constant(np.random.default_rng(0).integers(0, 256, (20, 30, 3)), tf.uint8)
+    resized = tf.cast(tf.clip_by_value(tf.round(tf.image.resize(image, (8, 12), antialias=True)), 0, 255), tf.uint8)
+    plain = vit_data.crop_flip_resize(image, tf.constant([1, 2]), (8, 12), crop=False, flip=False)
+    assert plain.dtype == tf.uint8
+    np.testing.assert_array_equal(plain, resized)
+    # The flip alone: each seed gives the resized image or its mirror, and over 16 seeds both.
+    flipped = [vit_data.crop_flip_resize(image, tf.constant([0, s]), (8, 12), crop=False).numpy() for s in range(16)]
+    mirrored = [np.array_equal(x, resized.numpy()[:, ::-1]) for x in flipped]
+    assert all(m or np.array_equal(x, resized) for m, x in zip(mirrored, flipped)) and 0 < sum(mirrored) < 16
+    # The crop: the same seed, the same image; another seed, another.
+    crops = [vit_data.crop_flip_resize(image, tf.constant(s), (8, 12)).numpy() for s in ([3, 4], [3, 4], [5, 4])]
+    assert all(x.shape == (8, 12, 3) for x in crops)
+    np.testing.assert_array_equal(crops[0], crops[1])
+    assert not np.array_equal(crops[0], crops[2])
+
+
+def test_randaugment_is_seeded_and_keeps_uint8():
+    image = tf.constant(np.random.default_rng(0).integers(0, 256, (20, 30, 3)), tf.uint8)
+    runs = {}
+    for name, seed in (("a", 1), ("again", 1), ("b", 2)):
+        rand_augment = vit_data.make_randaugment(2, 10, seed=seed)
+        runs[name] = [rand_augment(image).numpy() for _ in range(3)]
+    assert all(x.dtype == np.uint8 and x.shape == (20, 30, 3) for x in runs["a"])
+    # The same seed gives the same sequence of images; each call draws anew, and another seed differs.
+    assert all(np.array_equal(x, y) for x, y in zip(runs["a"], runs["again"]))
+    assert not any(np.array_equal(x, image.numpy()) for x in runs["a"])
+    assert not np.array_equal(runs["a"][0], runs["a"][1])
+    assert not any(np.array_equal(x, y) for x, y in zip(runs["a"], runs["b"]))
+
+
+# The names `keras_vit.data` had as one module; the jobs, tests and docs use them from the package.
+FORMER_NAMES = {
+    "Dataset", "DecodeFailures", "IMAGE_EXTENSIONS", "IMAGE_MAGIC", "ImageSource", "NAMED_IN_A_ROW", "Split",
+    "center_crop_resize", "decode_image", "decode_skipping_failures", "image_pipeline", "inception_crop",
+    "load_digits", "load_folder", "load_image_source", "load_tfds", "make_pipeline", "random_translate",
+    "training_pipeline",
+}
+
+
+def test_keras_vit_data_exports_every_public_name_of_its_modules():
+    import importlib
+    import types
+
+    exported = set(vit_data.__all__)
+    assert FORMER_NAMES <= exported, FORMER_NAMES - exported
+    found = set()
+    for name in ("augment", "decode", "pipeline", "sources"):
+        module = importlib.import_module(f"keras_vit.data.{name}")
+        public = {
+            key for key, value in vars(module).items()
+            if not key.startswith("_") and not isinstance(value, types.ModuleType)
+            and getattr(value, "__module__", module.__name__) == module.__name__  # defined here, not imported
+        }
+        assert all(getattr(vit_data, key) is getattr(module, key) for key in public), name
+        found |= public
+    assert found == exported
+
+
 def prepare_tfds(tmp_path, files, num_shards=None):
     """A TFDS builder over files the test writes (stored as they are, bad bytes included),
     prepared into a data_dir under tmp_path; returns the data_dir."""
