@@ -16,20 +16,27 @@ import os
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import app, flags
+from absl import flags
 
+from experiments import common
 from keras_vit import export
 
-_MODEL = flags.DEFINE_string("model", None, "A .keras model.", required=True)
-_FORMAT = flags.DEFINE_enum("format", "saved_model", ["saved_model", "tflite", "onnx"], "Artefact.")
-_QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "float16", "dynamic", "int8"], "TFLite only.")
-_OUT = flags.DEFINE_string("out", None, "Where to write the artefact.", required=True)
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --out.")
-_CALIBRATION = flags.DEFINE_string("calibration_images", None, ".npy images for int8 calibration.")
-_CLASS_NAMES = flags.DEFINE_list("class_names", None, "Class names for the SavedModel's outputs.")
+
+def define_flags():
+    """The job's flags, defined when it runs as a program (`common.run_job`), not on import."""
+    return {
+        "model": flags.DEFINE_string("model", None, "A .keras model.", required=True),
+        "format": flags.DEFINE_enum("format", "saved_model", ["saved_model", "tflite", "onnx"], "Artefact."),
+        "quantize": flags.DEFINE_enum("quantize", "none", ["none", "float16", "dynamic", "int8"], "TFLite only."),
+        "out": flags.DEFINE_string("out", None, "Where to write the artefact.", required=True),
+        "overwrite": flags.DEFINE_bool("overwrite", False, "Replace an existing --out."),
+        "calibration_images": flags.DEFINE_string("calibration_images", None, ".npy images for int8 calibration."),
+        "class_names": flags.DEFINE_list("class_names", None, "Class names for the SavedModel's outputs."),
+    }
 
 
 def artefact_size(path):
+    """Bytes of the file at `path`, or of every file under it for a SavedModel folder."""
     if tf.io.gfile.isdir(path):
         return sum(
             tf.io.gfile.stat(os.path.join(root, name)).length
@@ -72,31 +79,48 @@ def run_artefact(kind, path, images):
     return session.run(None, {session.get_inputs()[0].name: images.astype(np.float32)})[0]
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    model = keras.saving.load_model(_MODEL.value)
-    quantize = None if _QUANTIZE.value == "none" else _QUANTIZE.value
+def export_and_check(model, kind, out, *, quantize=None, calibration=None, class_names=None, overwrite=False):
+    """Exports `model` as `kind` ("saved_model", "tflite" or "onnx") to `out`, then runs the artefact on 100
+    sample images (`sample_images`) and compares it with the Keras model.
+
+    `calibration` (images) calibrates int8 TFLite, by default the sample
+    images.  Returns (path written, largest |logit difference|, top-1
+    agreement) and prints them with the artefact's size.
+    """
     images = sample_images(model, 100)
-    if _FORMAT.value == "saved_model":
-        path = export.export_saved_model(model, _OUT.value, class_names=_CLASS_NAMES.value, overwrite=_OVERWRITE.value)
-    elif _FORMAT.value == "tflite":
-        calibration = np.load(_CALIBRATION.value) if _CALIBRATION.value else images
+    if kind == "saved_model":
+        path = export.export_saved_model(model, out, class_names=class_names, overwrite=overwrite)
+    elif kind == "tflite":
         path = export.export_tflite(
-            model, _OUT.value, quantize=quantize, representative_data=calibration, overwrite=_OVERWRITE.value
+            model, out, quantize=quantize, representative_data=images if calibration is None else calibration,
+            overwrite=overwrite,
         )
         print(f"TFLite operators: {', '.join(export.tflite_operators(path))}")
     else:
-        path = export.export_onnx(model, _OUT.value, overwrite=_OVERWRITE.value)
+        path = export.export_onnx(model, out, overwrite=overwrite)
     expected = model.predict(images, verbose=0)
-    got = run_artefact(_FORMAT.value, path, images)
+    got = run_artefact(kind, path, images)
+    difference = float(np.abs(got - expected).max())
     agreement = float((got.argmax(-1) == expected.argmax(-1)).mean())
     print(f"Wrote {path} ({artefact_size(path) / 2**20:.2f} MiB)")
     print(
         f"Parity with the Keras model on {len(images)} images: max |logit difference| "
-        f"{np.abs(got - expected).max():.3g}, top-1 agreement {100 * agreement:.1f}%"
+        f"{difference:.3g}, top-1 agreement {100 * agreement:.1f}%"
+    )
+    return path, difference, agreement
+
+
+def main(cli):
+    export_and_check(
+        keras.saving.load_model(cli.model.value),
+        cli.format.value,
+        cli.out.value,
+        quantize=None if cli.quantize.value == "none" else cli.quantize.value,
+        calibration=np.load(cli.calibration_images.value) if cli.calibration_images.value else None,
+        class_names=cli.class_names.value,
+        overwrite=cli.overwrite.value,
     )
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run_job(main, define_flags)

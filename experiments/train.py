@@ -14,8 +14,6 @@ resumes from it when the same command is run again).
 """
 
 import contextlib
-import dataclasses
-import functools
 import json
 import os
 import time
@@ -23,32 +21,37 @@ import time
 import keras
 import tensorflow as tf
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 import keras_vit
-from keras_vit import data as vit_data
+from experiments import common
 from keras_vit import export, parallel, training, visualize
 from keras_vit.distribute import STRATEGIES, get_strategy, is_chief
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "experiments/configs/digits.py", "Python config file; fields can be overridden."
-)
-_WORKDIR = flags.DEFINE_string("workdir", "runs/digits", "Where the model and metrics go.")
-_STRATEGY = flags.DEFINE_enum("strategy", "auto", list(STRATEGIES), "Distribution strategy.")
-_TPU = flags.DEFINE_string("tpu", None, "TPU name, grpc:// address or 'local' (with --strategy=tpu or auto).")
-_DISTRIBUTION = flags.DEFINE_enum(
-    "distribution", "auto", ["auto", "none", "data_parallel", "model_parallel"],
-    "Keras' JAX backend: keras.distribution over the devices (auto: data_parallel with more than "
-    "one device). model_parallel shards attention by heads and the MLP by its hidden units.",
-)
-_MESH_SHAPE = flags.DEFINE_list(
-    "mesh_shape", None, "JAX: the (batch, model) device mesh, e.g. 2,4; default: every device on the batch axis "
-    "for data_parallel, see keras_vit.parallel.make_distribution for model_parallel."
-)
-_MULTI_HOST = flags.DEFINE_bool(
-    "multi_host", False, "JAX on several hosts (a TPU pod slice, GPU hosts): run the same command on every "
-    "host; keras.distribution.initialize() connects them first."
-)
+
+def define_flags():
+    """The job's flags, defined when it runs as a program (`common.run_job`), not on import."""
+    config, workdir = common.define_config_and_workdir(
+        "experiments/configs/digits.py", "runs/digits", "Where the model and metrics go."
+    )
+    return {
+        "config": config,
+        "workdir": workdir,
+        "strategy": flags.DEFINE_enum("strategy", "auto", list(STRATEGIES), "Distribution strategy."),
+        "tpu": flags.DEFINE_string("tpu", None, "TPU name, grpc:// address or 'local' (with --strategy=tpu or auto)."),
+        "distribution": flags.DEFINE_enum(
+            "distribution", "auto", ["auto", "none", "data_parallel", "model_parallel"],
+            "Keras' JAX backend: keras.distribution over the devices (auto: data_parallel with more than "
+            "one device). model_parallel shards attention by heads and the MLP by its hidden units.",
+        ),
+        "mesh_shape": flags.DEFINE_list(
+            "mesh_shape", None, "JAX: the (batch, model) device mesh, e.g. 2,4; default: every device on the batch "
+            "axis for data_parallel, see keras_vit.parallel.make_distribution for model_parallel."
+        ),
+        "multi_host": flags.DEFINE_bool(
+            "multi_host", False, "JAX on several hosts (a TPU pod slice, GPU hosts): run the same command on every "
+            "host; keras.distribution.initialize() connects them first."
+        ),
+    }
 
 
 class Throughput(keras.callbacks.Callback):
@@ -73,150 +76,6 @@ class Throughput(keras.callbacks.Callback):
     def images_per_second(self, images_per_epoch):
         timed = self.epoch_seconds[1:] or self.epoch_seconds
         return images_per_epoch * len(timed) / sum(timed)
-
-
-@dataclasses.dataclass
-class Data:
-    """What the job needs of a data set, whatever its source.
-
-    `train` yields batches of (uint8 pixels, one-hot labels), augmented.  For
-    image folders and TFDS it is endless: each host reads its share of the
-    files over and over, so that every host runs the steps `fit` is given
-    (`steps_per_epoch=num_train // global batch`) whatever its share of the
-    images that fail to decode; it is built through the strategy's
-    `distribute_datasets_from_function` when a strategy is given.  The digits
-    are one epoch per pass (`steps_per_epoch` equal to it is fine).
-    """
-
-    train: tf.data.Dataset | tf.distribute.DistributedDataset
-    test: tf.data.Dataset  # batches of (uint8 pixels, one-hot labels), every example
-    calibration: tf.data.Dataset  # unaugmented training images, for int8 export
-    num_classes: int
-    class_names: list
-    num_train: int  # examples listed; the ones that fail to decode are in `skipped`
-    num_test: int
-    # Images skipped because they failed to read or decode (`.count`, `.paths`), filled as the
-    # pipelines meet them: read it after training.
-    skipped: vit_data.DecodeFailures = dataclasses.field(default_factory=vit_data.DecodeFailures)
-
-
-def load_data(config, strategy=None):
-    """The data set named by config.dataset: "digits", "tfds:NAME[:SPLIT]" or "folder:PATH".
-
-    With a `tf.distribute.Strategy`, the training data of image sets is made by
-    `strategy.distribute_datasets_from_function`: each input pipeline (a host)
-    reads and decodes its own files and batches `config.batch_size /
-    replicas` per replica.  The digits, in memory, stay one `tf.data.Dataset`
-    that the strategy splits by example.
-    """
-    name = config.dataset
-    if name == "digits":
-        digits = vit_data.load_digits(
-            image_size=config.image_size, test_fraction=config.test_fraction, seed=config.seed
-        )
-        pipeline = functools.partial(vit_data.make_pipeline, num_classes=digits.num_classes)
-        return Data(
-            train=pipeline(
-                digits.train, config.batch_size, training=True, seed=config.seed, max_shift=config.max_shift
-            ),
-            test=pipeline(digits.test, config.batch_size, training=False),
-            calibration=tf.data.Dataset.from_tensor_slices(digits.train.images),
-            num_classes=digits.num_classes,
-            class_names=digits.class_names,
-            num_train=len(digits.train),
-            num_test=len(digits.test),
-        )
-    kind, _, rest = name.partition(":")
-    if kind not in ("tfds", "folder") or not rest:
-        raise ValueError(
-            f"Unknown dataset {name!r}. Expected 'digits', 'tfds:NAME[:SPLIT]' or 'folder:PATH'."
-        )
-    source = vit_data.load_image_source(
-        name,
-        data_dir=config.data_dir or None,
-        test_split=config.test_split or None,
-        test_fraction=config.test_fraction,
-        seed=config.seed,
-    )
-    augment = config.augment
-    # One input pipeline's training data (given an InputContext): its own files, endless.
-    training_data = functools.partial(
-        vit_data.training_pipeline,
-        source,
-        config.image_size,
-        config.batch_size,
-        seed=config.seed,
-        crop=augment.inception_crop,
-        flip=augment.flip,
-        randaugment=augment.randaugment,
-        cache=config.cache,
-    )
-    pipeline = functools.partial(
-        vit_data.image_pipeline,
-        image_size=config.image_size,
-        num_classes=source.num_classes,
-        crop_fraction=config.crop_fraction,
-        cache=config.cache,
-    )
-    if strategy is not None:
-        train = strategy.distribute_datasets_from_function(training_data)
-    else:
-        train = training_data(jax_input_context())
-    return Data(
-        train=train,
-        test=pipeline(source.test, batch_size=config.batch_size, training=False),
-        calibration=pipeline(source.train, batch_size=1, training=False).map(lambda x, y: x[0]),
-        num_classes=source.num_classes,
-        class_names=source.class_names,
-        num_train=source.num_train,
-        num_test=source.num_test,
-        skipped=source.skipped,
-    )
-
-
-def jax_input_context():
-    """This host's `tf.distribute.InputContext` in a multi-host JAX job whose hosts each hold whole
-    model replicas, with Keras' own sharding of the input turned off; None otherwise.
-
-    Keras' distribution shards a multi-host input by example (each host reads
-    and decodes everything and keeps its share); with this context each host
-    reads its own files and batches global batch / hosts.  Where a model
-    replica spans hosts, those hosts need the same examples, and Keras' sharding
-    stays.
-    """
-    distribution = keras.distribution.distribution() if keras.backend.backend() == "jax" else None
-    if distribution is None:
-        return None
-    import jax
-
-    hosts = jax.process_count()
-    if hosts == 1 or distribution.num_model_replicas % hosts:
-        return None
-    distribution.auto_shard_dataset = False
-    return tf.distribute.InputContext(
-        num_input_pipelines=hosts, input_pipeline_id=jax.process_index(), num_replicas_in_sync=hosts
-    )
-
-
-def build_model(config, num_classes):
-    model_config = dict(config.model)
-    variant = model_config.pop("variant")
-    return keras_vit.build_vit(
-        variant, image_size=config.image_size, num_classes=num_classes, **model_config
-    )
-
-
-def make_optimizer(config, steps_per_epoch):
-    total_steps = config.epochs * steps_per_epoch
-    return training.make_optimizer(
-        config.optimizer,
-        config.learning_rate,
-        total_steps,
-        min(config.warmup_steps or config.warmup_epochs * steps_per_epoch, total_steps - 1),
-        weight_decay=config.weight_decay,
-        decay=config.decay,
-        grad_clip_norm=config.grad_clip_norm,
-    )
 
 
 EXPORTS = ("saved_model", "tflite", "tflite_float16", "tflite_dynamic", "tflite_int8", "onnx")
@@ -293,7 +152,7 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
         )
 
     # === Data ===
-    dataset = load_data(config, strategy)
+    dataset = common.load_data(config, strategy)
     train_ds, test_ds = dataset.train, dataset.test
     steps_per_epoch = dataset.num_train // config.batch_size
     if steps_per_epoch < 1:
@@ -315,22 +174,18 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
 
     # === Model, under the strategy's scope ===
     with scope:
-        model = build_model(config, dataset.num_classes)
+        model = common.build_model(config, dataset.num_classes)
         if config.pretrained:
             # An original .npz checkpoint; a head of another size stays zero for this task.
-            keras_vit.load_pretrained(
-                model, config.pretrained, interpolation=config.interpolation
-            )
+            keras_vit.load_pretrained(model, config.pretrained, interpolation=config.interpolation)
         if config.freeze_backbone:
             keras_vit.freeze_backbone(model)  # A linear probe: only the head trains.
-        model.compile(
-            optimizer=make_optimizer(config, steps_per_epoch),
-            loss=keras.losses.CategoricalCrossentropy(
-                from_logits=True, label_smoothing=config.label_smoothing
-            ),
-            metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")],
-            # Under the strategy's scope: "auto" follows the strategy (see resolve_jit_compile).
-            jit_compile=keras_vit.training.resolve_jit_compile(config.jit_compile, config.precision),
+        total_steps = config.epochs * steps_per_epoch
+        warmup_steps = config.warmup_steps or config.warmup_epochs * steps_per_epoch
+        common.compile_model(
+            model,
+            config,
+            common.make_optimizer(config, total_steps, warmup_steps),
             # Several steps per call: what keeps a TPU busy.
             steps_per_execution=config.steps_per_execution,
         )
@@ -397,65 +252,59 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
             visualize.write_figures(model, image, figures, prefix=f"test{i}_")
     for kind in exports:
         metrics[f"export_{kind}"] = export_model(model, kind, workdir, dataset)
-    with tf.io.gfile.GFile(tf.io.gfile.join(workdir, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
-    with tf.io.gfile.GFile(tf.io.gfile.join(workdir, "history.json"), "w") as f:
-        json.dump({k: [float(v) for v in vs] for k, vs in history.history.items()}, f, indent=2)
+    common.write_json(tf.io.gfile.join(workdir, "metrics.json"), metrics)
+    common.write_json(
+        tf.io.gfile.join(workdir, "history.json"), {k: [float(v) for v in vs] for k, vs in history.history.items()}
+    )
     return metrics
 
 
-def vit_config(config):
-    """The `ViTConfig` the job's model will have (its variant and the overrides in config.model)."""
-    from keras_vit.variants import ViTConfig, parse_variant
+def distribute_on_jax(config, kind="auto", mesh_shape=None, multi_host=False):
+    """Sets the keras.distribution of --distribution, --mesh_shape and --multi_host (Keras' JAX backend).
 
-    fields = set(ViTConfig.__dataclass_fields__)
-    model = dict(config.model)
-    return parse_variant(model.pop("variant"), **{k: v for k, v in model.items() if k in fields})
-
-
-def distribute_on_jax(config):
-    """Sets the keras.distribution of --distribution / --mesh_shape (Keras' JAX backend)."""
-    if _MULTI_HOST.value:
+    `kind` is "auto" (data parallel over several devices, else none), "none",
+    "data_parallel" or "model_parallel"; `mesh_shape` the (batch, model) mesh,
+    by default `keras_vit.parallel.make_distribution`'s.
+    """
+    if multi_host:
         # Reads the coordinator from the environment (KERAS_DISTRIBUTION_* or the TPU pod's own).
         keras.distribution.initialize()
-    kind = _DISTRIBUTION.value
     if kind == "auto":
         kind = "data_parallel" if len(keras.distribution.list_devices()) > 1 else "none"
     if kind == "none":
         logging.info("Distribution: none (one device)")
         return
-    mesh_shape = tuple(int(n) for n in _MESH_SHAPE.value) if _MESH_SHAPE.value else None
+    mesh_shape = tuple(int(n) for n in mesh_shape) if mesh_shape else None
     distribution = parallel.make_distribution(
-        kind, mesh_shape, batch_size=config.batch_size, config=vit_config(config)
+        kind, mesh_shape, batch_size=config.batch_size, config=common.vit_config(config)
     )
     keras.distribution.set_distribution(distribution)
     logging.info(
         "Distribution: %s over a %s mesh %s", type(distribution).__name__,
         dict(zip(distribution.device_mesh.axis_names, distribution.device_mesh.shape)),
-        "of this host's devices" if not _MULTI_HOST.value else "across hosts",
+        "of this host's devices" if not multi_host else "across hosts",
     )
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    workdir = _WORKDIR.value
+def main(cli):
+    """The command line's job: the strategy or distribution first, then `train_and_evaluate`."""
+    config, workdir = cli.config.value, cli.workdir.value
     if keras.backend.backend() == "jax":
-        if _STRATEGY.value != "auto" or _TPU.value:
+        if cli.strategy.value != "auto" or cli.tpu.value:
             raise app.UsageError("--strategy and --tpu are for the TensorFlow backend; on JAX use --distribution.")
-        distribute_on_jax(_CONFIG.value)
+        distribute_on_jax(config, cli.distribution.value, cli.mesh_shape.value, cli.multi_host.value)
         strategy = None
     elif keras.backend.backend() == "tensorflow":
-        if _DISTRIBUTION.value not in ("auto", "none") or _MESH_SHAPE.value or _MULTI_HOST.value:
+        if cli.distribution.value not in ("auto", "none") or cli.mesh_shape.value or cli.multi_host.value:
             raise app.UsageError(
                 "--distribution, --mesh_shape and --multi_host are for Keras' JAX backend (KERAS_BACKEND=jax); "
                 "on TensorFlow use --strategy."
             )
         # First: a TPU is connected before anything is built or traced. It logs its choice.
-        strategy = get_strategy(_STRATEGY.value, _TPU.value)
+        strategy = get_strategy(cli.strategy.value, cli.tpu.value)
     else:
         strategy = None
-    metrics = train_and_evaluate(_CONFIG.value, workdir, strategy)
+    metrics = train_and_evaluate(config, workdir, strategy)
     logging.info("Metrics: %s", metrics)
     print(json.dumps(metrics, indent=2))
     where = workdir if "://" in workdir else os.path.abspath(workdir)
@@ -463,4 +312,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run_job(main, define_flags)

@@ -34,8 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_vit
-
-from experiments import scaling
+from experiments import common
 
 METHODS = ("scratch", "frozen_backbone", "fine_tune")
 
@@ -44,14 +43,14 @@ def split_classes(dataset, classes):
     """The train and test examples of `classes` (a list of labels), relabelled 0 .. len(classes) - 1 in that order."""
     mapping = {label: i for i, label in enumerate(classes)}
     return [
-        scaling.take(split, np.flatnonzero(np.isin(split.labels, classes)), mapping)
+        common.take(split, np.flatnonzero(np.isin(split.labels, classes)), mapping)
         for split in (dataset.train, dataset.test)
     ]
 
 
 def pretrained_vit(config, checkpoint, num_classes, *, freeze):
     """The route of a user with a checkpoint: build, load the .npz, new head, optionally freeze the backbone."""
-    model = scaling.build_vit(config, num_classes)
+    model = common.build_model(config, num_classes)
     keras_vit.load_pretrained(model, checkpoint)
     model = keras_vit.replace_head(model, num_classes)
     return keras_vit.freeze_backbone(model) if freeze else model
@@ -59,7 +58,7 @@ def pretrained_vit(config, checkpoint, num_classes, *, freeze):
 
 def run(config, workdir):
     """Pre-trains, then trains each method at each number of shots and seed; writes the outputs; returns the results."""
-    dataset = scaling.load_in_memory(config)
+    dataset = common.load_in_memory(config)
     source_classes = sorted(int(c) for c in config.source_classes)
     target_classes = [c for c in range(dataset.num_classes) if c not in source_classes]
     if not source_classes or not target_classes or not set(source_classes) <= set(range(dataset.num_classes)):
@@ -75,8 +74,8 @@ def run(config, workdir):
     tf.io.gfile.makedirs(workdir)
 
     # === Pre-training on the source classes ===
-    (model, pretraining), = scaling.train_runs(
-        lambda: scaling.build_vit(config, len(source_classes)), [(config.seed, source_train)], source_test,
+    (model, pretraining), = common.train_runs(
+        lambda: common.build_model(config, len(source_classes)), [(config.seed, source_train)], source_test,
         config=config, steps=config.pretrain_steps, warmup_steps=config.warmup_steps,
         batch_size=config.batch_size, num_classes=len(source_classes),
     )
@@ -92,12 +91,12 @@ def run(config, workdir):
     # === The target task, each method on the same draws ===
     num_classes = len(target_classes)
     draws = [
-        (seed, scaling.take(target_train, scaling.stratified_subset(target_train.labels, seed, per_class=k)))
+        (seed, common.take(target_train, common.stratified_subset(target_train.labels, seed, per_class=k)))
         for k in shots
         for seed in seeds
     ]
     makers = {
-        "scratch": lambda: scaling.build_vit(config, num_classes),
+        "scratch": lambda: common.build_model(config, num_classes),
         "frozen_backbone": lambda: pretrained_vit(config, checkpoint, num_classes, freeze=True),
         "fine_tune": lambda: pretrained_vit(config, checkpoint, num_classes, freeze=False),
     }
@@ -125,24 +124,25 @@ def run(config, workdir):
     }
     for method in METHODS:
         per_run = []
-        for (seed, train), (model, result) in zip(
+        for (seed, train), (trained, result) in zip(
             draws,
-            scaling.train_runs(
+            common.train_runs(
                 makers[method], draws, target_test, config=config, steps=target.steps,
                 warmup_steps=target.warmup_steps, batch_size=target.batch_size, num_classes=num_classes,
                 recipe=None if method == "scratch" else config.finetune,
             ),
         ):
             per_run.append(result)
+            trainable = int(sum(np.prod(w.shape) for w in trained.trainable_weights))
             print(
                 f"{method}, {len(train) // num_classes} per class, seed {seed}: test {result['test_accuracy']:.3f}, "
                 f"train {result['train_accuracy']:.3f} ({result['seconds']:.0f} s)",
                 flush=True,
             )
         results["methods"][method] = {
-            "trainable_parameters": int(sum(np.prod(w.shape) for w in model.trainable_weights)),
+            "trainable_parameters": trainable,
             "points": [
-                {"shots": k, "size": k * num_classes, **scaling.summarize(per_run[i * len(seeds):(i + 1) * len(seeds)])}
+                {"shots": k, "size": k * num_classes, **common.summarize(per_run[i * len(seeds):(i + 1) * len(seeds)])}
                 for i, k in enumerate(shots)
             ],
         }
@@ -153,8 +153,8 @@ def run(config, workdir):
         [f"{method} ({m['trainable_parameters']:,})"] + [f"{p['mean']:.3f} ± {p['std']:.3f}" for p in m["points"]]
         for method, m in results["methods"].items()
     ]
-    table = scaling.markdown_table(header, rows)
-    paths = scaling.write_outputs(workdir, "transfer", results, table, plot(results))
+    table = common.markdown_table(header, rows)
+    paths = common.write_outputs(workdir, "transfer", results, table, plot(results))
     print(table)
     print("Wrote " + ", ".join(paths))
     return results
@@ -163,7 +163,7 @@ def run(config, workdir):
 def plot(results):
     """Test accuracy against training images per class, one line per method."""
     source, target = results["source"], results["target"]
-    return scaling.plot_curves(
+    return common.plot_curves(
         target["shots"],
         {method.replace("_", " "): m["points"] for method, m in results["methods"].items()},
         xlabel=f"training images per class ({len(target['classes'])} classes, log scale)",
@@ -173,7 +173,17 @@ def plot(results):
     )
 
 
-if __name__ == "__main__":
-    scaling.run_from_command_line(
-        run, "experiments/configs/transfer.py", "runs/transfer", "Where pretrained.npz and transfer.json, .md, .png go."
+def define_flags():
+    """The job's flags, defined when it runs as a program (`common.run_job`), not on import."""
+    config, workdir = common.define_config_and_workdir(
+        "experiments/configs/transfer.py", "runs/transfer", "Where pretrained.npz and transfer.json, .md, .png go."
     )
+    return {"config": config, "workdir": workdir}
+
+
+def main(cli):
+    run(cli.config.value, cli.workdir.value)
+
+
+if __name__ == "__main__":
+    common.run_job(main, define_flags)

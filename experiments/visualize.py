@@ -13,13 +13,19 @@ hybrids) `embedding_filters.png` into --out.
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import app, flags
+from absl import flags
 
+from experiments import common
 from keras_vit import visualize
 
-_MODEL = flags.DEFINE_string("model", None, "A .keras model saved from build_vit.", required=True)
-_IMAGE = flags.DEFINE_string("image", None, "An image file.", required=True)
-_OUT = flags.DEFINE_string("out", None, "Folder for the PNG figures.", required=True)
+
+def define_flags():
+    """The job's flags, defined when it runs as a program (`common.run_job`), not on import."""
+    return {
+        "model": flags.DEFINE_string("model", None, "A .keras model saved from build_vit.", required=True),
+        "image": flags.DEFINE_string("image", None, "An image file.", required=True),
+        "out": flags.DEFINE_string("out", None, "Folder for the PNG figures.", required=True),
+    }
 
 
 def load_image(path, height, width, channels):
@@ -37,15 +43,17 @@ def load_image(path, height, width, channels):
     return np.clip(np.round(image.numpy()), 0, 255).astype(np.uint8)
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    model = keras.saving.load_model(_MODEL.value)
+def figures_of_image(model, image_path, out):
+    """Writes the figures of `keras_vit.visualize.write_figures` for the image file at `image_path`, resized to
+    the model's input, into the folder `out`; returns their paths."""
     height, width, channels = model.input_shape[1:]
-    image = load_image(_IMAGE.value, height, width, channels)
-    for path in visualize.write_figures(model, image, _OUT.value):
+    return visualize.write_figures(model, load_image(image_path, height, width, channels), out)
+
+
+def main(cli):
+    for path in figures_of_image(keras.saving.load_model(cli.model.value), cli.image.value, cli.out.value):
         print(f"Wrote {path}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run_job(main, define_flags)

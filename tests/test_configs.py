@@ -5,7 +5,7 @@ import importlib
 import keras
 import pytest
 
-from experiments import train
+from experiments import common, train
 
 CONFIGS = {
     # module: (variant, image size, parameters of the model the config builds)
@@ -21,7 +21,7 @@ def test_config_builds_its_model(name):
     variant, image_size, params = CONFIGS[name]
     assert config.model.variant == variant and config.image_size == image_size
     num_classes = config.get("num_classes") or 10
-    model = train.build_model(config, num_classes)
+    model = common.build_model(config, num_classes)
     assert model.count_params() == params
     keras.backend.clear_session()
 
@@ -41,7 +41,7 @@ def test_unknown_dataset_and_class_mismatch(tmp_path):
 
     config = digits.get_config()
     config.dataset = "imagenet"
-    with pytest.raises(ValueError, match="Unknown dataset 'imagenet'"):
+    with pytest.raises(ValueError, match="Unknown image data set 'imagenet'"):
         train.train_and_evaluate(config, str(tmp_path / "run"))
     config = digits.get_config()
     config.num_classes = 100

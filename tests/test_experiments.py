@@ -1,9 +1,7 @@
 """The entry points, run as a user runs them."""
 
-import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -13,10 +11,60 @@ import pytest
 import tensorflow as tf
 
 import keras_vit
-from keras_vit import compat
 from keras_vit import data as vit_data
-from keras_vit.testing import BATCHED_MATMULS, MATMULS, OTHER_PART, hlo_instructions, step_part
 from tests.conftest import ROOT, run_module
+
+# The jobs, and the flags each defines when it runs as a program.
+JOB_FLAGS = {
+    "train": ["config", "distribution", "mesh_shape", "multi_host", "strategy", "tpu", "workdir"],
+    "scaling": ["config", "workdir"],
+    "transfer": ["config", "workdir"],
+    "export": ["calibration_images", "class_names", "format", "model", "out", "overwrite", "quantize"],
+    "visualize": ["image", "model", "out"],
+}
+# Imported with the jobs: another command of experiments/, with flags of its own.
+OTHER_COMMANDS = []
+
+IMPORT_SCRIPT = """
+import importlib, json, sys
+from absl import app, flags, logging
+from ml_collections import config_flags
+import keras, tensorflow, keras_vit
+before = set(flags.FLAGS)
+modules = {name: importlib.import_module("experiments." + name) for name in sys.argv[1:]}
+seen = {"defined_on_import": sorted(set(flags.FLAGS) - before), "define_flags": {}}
+for name, module in modules.items():
+    if hasattr(module, "define_flags"):
+        holders = module.define_flags()
+        seen["define_flags"][name] = sorted(holder.name for holder in holders.values())
+        for holder in holders.values():
+            delattr(flags.FLAGS, holder.name)
+print(json.dumps(seen))
+"""
+
+
+def test_the_jobs_import_together_and_define_no_flag():
+    """Every job of experiments/ imported in one process, as a library: nothing defined, nothing started
+    (two jobs' flags of one name would otherwise clash: DuplicateFlagError). Each job's flags come from
+    its define_flags, which its command line calls."""
+    jobs = [*JOB_FLAGS, *OTHER_COMMANDS]
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_SCRIPT, *jobs], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["defined_on_import"] == []
+    assert {name: seen["define_flags"][name] for name in JOB_FLAGS} == JOB_FLAGS
+
+
+def test_common_examples():
+    import doctest
+
+    from experiments import common
+
+    result = doctest.testmod(common, verbose=False)
+    assert result.attempted > 0 and result.failed == 0
 
 
 @pytest.mark.slow
@@ -64,8 +112,9 @@ def test_config_overrides_from_the_command_line(tmp_path):
     assert metrics["epochs"] == 2 and "test_accuracy" in stdout
     model = keras.saving.load_model(tmp_path / "model.keras")
     assert model.get_layer("pooling").method == "gap"
-    assert [l.name for l in model.layers].count("encoderblock_0") == 1
-    assert "encoderblock_1" not in [l.name for l in model.layers]
+    names = [layer.name for layer in model.layers]
+    assert names.count("encoderblock_0") == 1
+    assert "encoderblock_1" not in names
     assert len(list((tmp_path / "figures").iterdir())) == 12
 
 
@@ -326,14 +375,14 @@ def test_the_training_command_on_jax_spreads_over_every_device(tmp_path, flags, 
 JAX_HOSTS_SCRIPT = """
 import json
 import jax, keras
-from experiments import train
+from experiments import common
 from keras_vit import parallel
 jax.process_count, jax.process_index = (lambda: 2), (lambda: 1)  # Host 1 of 2, simulated.
 seen = {}
 for kind, mesh in (("data_parallel", (2,)), ("model_parallel", (1, 2))):
     distribution = parallel.make_distribution(kind, mesh)
     keras.distribution.set_distribution(distribution)
-    context = train.jax_input_context()
+    context = common.jax_input_context()
     seen[kind] = context and [context.num_input_pipelines, context.input_pipeline_id,
                               context.get_per_replica_batch_size(64), distribution.auto_shard_dataset]
 print(json.dumps(seen))

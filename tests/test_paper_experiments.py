@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 
-from experiments import baselines, scaling, transfer
+from experiments import baselines, common, scaling, transfer
 from keras_vit import data as vit_data
 from keras_vit.checkpoints import read_npz
 from tests.conftest import run_module
@@ -52,20 +52,20 @@ def test_no_crossing_and_ties():
 
 def test_stratified_subsets_are_nested_and_balanced():
     labels = np.repeat(np.arange(3), [10, 20, 40])
-    small = scaling.stratified_subset(labels, 7, fraction=0.1)
-    large = scaling.stratified_subset(labels, 7, fraction=0.5)
+    small = common.stratified_subset(labels, 7, fraction=0.1)
+    large = common.stratified_subset(labels, 7, fraction=0.5)
     assert np.bincount(labels[small]).tolist() == [1, 2, 4]
     assert np.bincount(labels[large]).tolist() == [5, 10, 20]
     assert set(small) <= set(large) and np.all(np.diff(large) > 0)
-    assert not np.array_equal(large, scaling.stratified_subset(labels, 8, fraction=0.5))  # Another seed, another draw.
-    shots = scaling.stratified_subset(labels, 7, per_class=3)
+    assert not np.array_equal(large, common.stratified_subset(labels, 8, fraction=0.5))  # Another seed, another draw.
+    shots = common.stratified_subset(labels, 7, per_class=3)
     assert np.bincount(labels[shots]).tolist() == [3, 3, 3]
-    assert set(scaling.stratified_subset(labels, 7, per_class=2)) <= set(shots)
-    assert len(scaling.stratified_subset(labels, 0, fraction=0.01)) == 3  # At least one per class.
+    assert set(common.stratified_subset(labels, 7, per_class=2)) <= set(shots)
+    assert len(common.stratified_subset(labels, 0, fraction=0.01)) == 3  # At least one per class.
     with pytest.raises(ValueError, match="Class 0 has 10 examples; 11 were asked for"):
-        scaling.stratified_subset(labels, 0, per_class=11)
+        common.stratified_subset(labels, 0, per_class=11)
     with pytest.raises(ValueError, match="Give one of"):
-        scaling.stratified_subset(labels, 0, fraction=0.5, per_class=2)
+        common.stratified_subset(labels, 0, fraction=0.5, per_class=2)
 
 
 def test_an_image_folder_is_read_into_memory_as_evaluation_images(tmp_path):
@@ -75,7 +75,7 @@ def test_an_image_folder_is_read_into_memory_as_evaluation_images(tmp_path):
     root = write_folder(tmp_path / "images", per_class=4, size=(20, 12))
     config = scaling_config.get_config()
     config.dataset, config.image_size, config.test_fraction = f"folder:{root}", 8, 0.25
-    dataset = scaling.load_in_memory(config)
+    dataset = common.load_in_memory(config)
     assert (len(dataset.train), len(dataset.test), dataset.num_classes) == (9, 3, 3)
     assert dataset.class_names == ["cat", "dog", "eel"]
     assert dataset.train.images.shape == (9, 8, 8, 3) and dataset.train.images.dtype == np.uint8
