@@ -346,8 +346,14 @@ def test_a_pickled_object_is_refused_not_executed(source, tmp_path):
 # === Hybrids ===
 
 
-def test_hybrid_checkpoint_keys_and_round_trip(tmp_path):
-    model = randomize_weights(keras_vit.build_vit("R26+S/32", image_size=64, num_classes=3, num_layers=1), scale=0.05)
+@pytest.fixture(scope="module")
+def hybrid():
+    """A random R26+S/32 hybrid with one block at 64 px, built once for the tests that only read it."""
+    return randomize_weights(keras_vit.build_vit("R26+S/32", image_size=64, num_classes=3, num_layers=1), scale=0.05)
+
+
+def test_hybrid_checkpoint_keys_and_round_trip(hybrid, tmp_path):
+    model = hybrid
     path = str(tmp_path / "hybrid.npz")
     keras_vit.save_npz(model, path)
     npz = checkpoints.read_npz(path)
@@ -359,7 +365,9 @@ def test_hybrid_checkpoint_keys_and_round_trip(tmp_path):
     loaded = keras_vit.build_vit("R26+S/32", image_size=64, num_classes=3, num_layers=1)
     keras_vit.load_pretrained(loaded, path)
     images = random_images((2, 64, 64, 3))
-    np.testing.assert_array_equal(loaded.predict(images, verbose=0), model.predict(images, verbose=0))
+    # Called eagerly: predict() would trace and compile the ResNet stem for each model (about 5 s each here).
+    outputs = [keras.ops.convert_to_numpy(m(images, training=False)) for m in (loaded, model)]
+    np.testing.assert_array_equal(*outputs)
     del npz["block3/unit1/gn_proj/scale"]
     with pytest.raises(checkpoints.CheckpointError, match=r"no key 'block3/unit1/gn_proj/scale'"):
         keras_vit.load_pretrained(loaded, write(npz, tmp_path / "broken.npz"))
@@ -394,10 +402,9 @@ def test_replace_head_and_freeze_backbone(source):
     assert keras_vit.replace_head(original, None).output_shape == (None, 16)
 
 
-def test_set_image_size_takes_chains_of_layers_only(source):
+def test_set_image_size_takes_chains_of_layers_only(source, hybrid):
     original, _ = source
     # A hybrid's ResNet stem is one link of the chain.
-    hybrid = keras_vit.build_vit("R26+S/32", image_size=64, num_classes=3, num_layers=1)
     assert keras_vit.set_image_size(hybrid, 96).input_shape == (None, 96, 96, 3)
     # The backbone without its head is a chain too.
     backbone = keras_vit.replace_head(original, None)
