@@ -5,7 +5,15 @@ only (any backend), and so does `keras_vit.parallel` (training over a device
 mesh with `keras.distribution`); `keras_vit.data`, `keras_vit.distribute`,
 `keras_vit.export` and the checkpoints' file I/O need TensorFlow and are
 imported by name.
+
+Keras' default backend is TensorFlow: where that is the backend and no TensorFlow build is importable,
+importing keras_vit fails first with an error that names the builds (`keras_vit.requirements`), before
+Keras' own.
 """
+
+from keras_vit.requirements import check_keras_backend
+
+check_keras_backend()
 
 from keras_vit.checkpoints import (
     freeze_backbone,

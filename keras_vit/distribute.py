@@ -11,10 +11,12 @@ connected first.  Build the model and optimizer under `strategy.scope()`;
 import json
 import os
 
-import tensorflow as tf
 from absl import logging
 
 from keras_vit import compat
+from keras_vit.requirements import import_tensorflow
+
+tf = import_tensorflow("keras_vit.distribute")
 
 STRATEGIES = ("auto", "tpu", "mirrored", "multi_worker", "one_device")
 

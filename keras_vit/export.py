@@ -20,10 +20,12 @@ import os
 import tempfile
 
 import numpy as np
-import tensorflow as tf
 
 from keras_vit.data import IMAGE_MAGIC, center_crop_resize
 from keras_vit.kernels import portable_ops
+from keras_vit.requirements import import_tensorflow
+
+tf = import_tensorflow("keras_vit.export")
 
 QUANTIZATIONS = (None, "float16", "dynamic", "int8")
 
