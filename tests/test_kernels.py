@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import keras_vit
-
 from keras_vit import kernels
 from keras_vit.kernels import policy, reference
 
@@ -148,9 +147,9 @@ def test_tensorflow_dense_matches_the_reference(dtype, tolerance):
 
     rng = _rng(2)
     x = keras.ops.cast(rng.normal(size=(2, 9, 16)), dtype)
-    kernel, bias = rng.normal(0, 0.3, (16, 24)).astype("float32"), rng.normal(size=24).astype("float32")
-    stacked = (kernel.reshape(16, 3, 8), bias.reshape(3, 8))  # The attention's layout.
-    for (kernel, bias), shape in (((kernel, bias), (2, 9, 24)), (stacked, (2, 9, 3, 8))):
+    flat = rng.normal(0, 0.3, (16, 24)).astype("float32"), rng.normal(size=24).astype("float32")
+    stacked = (flat[0].reshape(16, 3, 8), flat[1].reshape(3, 8))  # The attention's layout.
+    for (kernel, bias), shape in ((flat, (2, 9, 24)), (stacked, (2, 9, 3, 8))):
         for activation in (None, "gelu"):
             got = tf_ops.dense(x, kernel, bias, activation)
             want = reference.dense(x, kernel, bias, activation)
@@ -294,6 +293,94 @@ def test_fused_attention_matches_the_reference(monkeypatch):
     assert calls == [None, None]
 
 
+def _explicit_cross_attention(query, key_value, heads):
+    """softmax(q k^T / sqrt(head_dim)) v in float64: query (batch, queries, hidden), key_value
+    (batch, tokens, 2, hidden) -> (batch, queries, hidden)."""
+    batch, queries, hidden = query.shape
+    q = query.reshape(batch, queries, heads, -1).astype("float64")
+    k, v = (key_value[:, :, i].reshape(batch, key_value.shape[1], heads, -1).astype("float64") for i in range(2))
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, queries, hidden)
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+def test_cross_attention_forms_match_the_papers_formula(monkeypatch, queries):
+    """The MAP head's attention: the reference form and the fused form
+    (`keras.ops.dot_product_attention`, the form for GPUs and TPUs off TensorFlow) give
+    softmax(q k^T / sqrt(head_dim)) v of float64 NumPy within 1e-5, for one query token (the
+    probe) and several; the entry point runs the reference form here and the fused one when
+    asked, training asking Keras for no flash kernel; other shapes are refused."""
+    from keras_vit.kernels import fused
+
+    calls = []
+    dot_product_attention = keras.ops.dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((tuple(args[0].shape), tuple(args[1].shape), kwargs.get("flash_attention")))
+        return dot_product_attention(*args, **kwargs)
+
+    monkeypatch.setattr(fused.ops, "dot_product_attention", spy)
+    rng = _rng(12)
+    query = rng.normal(size=(2, queries, 12)).astype("float32")
+    key_value = rng.normal(size=(2, 17, 2, 12)).astype("float32")
+    key_value[:, :, 0] *= 5.0  # Peaked probabilities: a wrong scale or mask shows.
+    want = _explicit_cross_attention(query, key_value, 3)
+    forms = {
+        "reference": lambda: reference.cross_attention(query, key_value, 3),
+        "fused": lambda: fused.cross_attention(query, key_value, 3),
+        "fused training": lambda: fused.cross_attention(query, key_value, 3, training=True),
+        "entry point": lambda: kernels.cross_attention(query, key_value, 3),
+    }
+    for name, form in forms.items():
+        got = keras.ops.convert_to_numpy(form())
+        assert got.shape == (2, queries, 12), name
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+    shapes = ((2, queries, 3, 4), (2, 17, 3, 4))
+    assert calls == [(*shapes, None), (*shapes, False)]  # The entry point ran the reference form.
+
+    calls.clear()
+    with kernels.fused_attention(True):
+        kernels.cross_attention(query, key_value, 3)
+        kernels.cross_attention(query, key_value, 3, training=True)
+    with kernels.fused_attention(False):
+        kernels.cross_attention(query, key_value, 3)
+    with kernels.portable_ops():
+        kernels.cross_attention(query, key_value, 3)
+    assert calls == [(*shapes, None), (*shapes, False)]
+
+    for bad_query, bad_key_value, message in (
+        (query, key_value.reshape(2, 17, 24), r"key_value.shape=\(2, 17, 24\)"),
+        (query, key_value[..., :8], r"`key_value` \(batch, tokens, 2, hidden\).*key_value.shape=\(2, 17, 2, 8\)"),
+        (query[:, 0], key_value, r"query.shape=\(2, 12\)"),
+        (query[..., :10], key_value[..., :10], r"divisible by `num_heads`.*num_heads=3"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            kernels.cross_attention(bad_query, bad_key_value, 3)
+
+
+@tensorflow_only
+def test_fused_cross_attention_has_the_reference_gradients():
+    """Training-mode gradients of the fused cross-attention against the reference form's, with
+    respect to queries, keys and values."""
+    from keras_vit.kernels import fused
+
+    rng = _rng(13)
+    query = rng.normal(size=(2, 1, 12)).astype("float32")
+    key_value = rng.normal(size=(2, 17, 2, 12)).astype("float32")
+    upstream = rng.normal(size=(2, 1, 12)).astype("float32")
+    got = _traced_output_and_gradients(
+        lambda q, kv: fused.cross_attention(q, kv, 3, training=True), [query, key_value], upstream, False
+    )
+    want = _traced_output_and_gradients(
+        lambda q, kv: reference.cross_attention(q, kv, 3), [query, key_value], upstream, False
+    )
+    for name, g, w in zip(("output", "query", "key_value"), got, want):
+        assert np.abs(w).max() > 0.1, name
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 @tensorflow_only
 @pytest.mark.parametrize("jit_compile", [True, False])
 def test_dropout_masks_come_from_threefry_in_xla_compiled_cpu_steps(jit_compile):
@@ -352,7 +439,8 @@ def test_each_cpu_form_is_chosen_where_the_table_says(monkeypatch, onednn):
     assert not {"FusedBatchNormV3", "MatMul"} & set(layer_norm_ops(True, tf.bfloat16))  # The reference form.
     assert ("FusedBatchNormV3" in layer_norm_ops(False, tf.bfloat16)) == onednn
     with kernels.portable_ops():
-        assert not {"FusedBatchNormV3", "MatMul"} & set(layer_norm_ops(False, tf.float32) + layer_norm_ops(True, tf.float32))
+        portable = layer_norm_ops(False, tf.float32) + layer_norm_ops(True, tf.float32)
+        assert not {"FusedBatchNormV3", "MatMul"} & set(portable)
 
     def attention_ops(training, dtype, batch=4):
         spec = tf.TensorSpec((batch, 5, 24), dtype)
@@ -361,7 +449,9 @@ def test_each_cpu_form_is_chosen_where_the_table_says(monkeypatch, onednn):
     assert "Softmax" not in attention_ops(True, tf.float32) and "Split" in attention_ops(True, tf.float32)
     assert "Split" in attention_ops(True, tf.bfloat16) and "Softmax" in attention_ops(True, tf.bfloat16)
     assert "Split" not in attention_ops(False, tf.float32)
-    reference_casts = _op_types(tf.function(lambda x: reference.attention(x, 2)[0]), tf.TensorSpec((4, 5, 24), tf.bfloat16))
+    reference_casts = _op_types(
+        tf.function(lambda x: reference.attention(x, 2)[0]), tf.TensorSpec((4, 5, 24), tf.bfloat16)
+    )
     assert attention_ops(False, tf.bfloat16).count("Cast") == reference_casts.count("Cast") - 2 * onednn
     with kernels.portable_ops():
         assert "Split" not in attention_ops(True, tf.float32) and "Softmax" in attention_ops(True, tf.float32)
@@ -423,6 +513,16 @@ def attention_under_a_simulated_tpu(out_dir):
                 "unguarded_splash_kernels": len(built),
                 "qkv": qkv.tolist(),
             }
+        # The MAP head's cross-attention: one query against 256 tokens, guarded too.
+        query = _rng(1).normal(size=(1, 1, heads * head_dim)).astype("float32")
+        key_value = _rng(2).normal(size=(1, 256, 2, heads * head_dim)).astype("float32")
+        built.clear(), flags.clear()
+        attended = keras.ops.convert_to_numpy(kernels.cross_attention(query, key_value, heads))
+        results["cross"] = {
+            "flags": list(flags),
+            "splash_kernels": len(built),
+            "error": float(np.abs(attended - _explicit_cross_attention(query, key_value, heads)).max()),
+        }
     finally:
         splash_attention_kernel.make_splash_mha = make_splash_mha
         fused.ops.dot_product_attention = dot_product_attention
@@ -449,7 +549,7 @@ def test_attention_on_a_tpu_never_takes_keras_splash_route(tmp_path):
     tokens and asks Keras for no flash kernel; Keras' own route, the same call with
     flash_attention=None, runs Splash at 256 tokens (a multiple of its 128-row blocks) with a
     causal mask and no scaling: the function the guard in keras_vit/kernels/fused.py keeps out.
-    Float32 against float64: 1e-5."""
+    The MAP head's cross-attention is guarded the same way. Float32 against float64: 1e-5."""
     from tests.test_parallel import run_in_jax_child
 
     results = run_in_jax_child("tests.test_kernels.attention_under_a_simulated_tpu", tmp_path, devices=1)
@@ -473,6 +573,8 @@ def test_attention_on_a_tpu_never_takes_keras_splash_route(tmp_path):
             assert np.abs(unguarded - want).max() > 0.1
             causal_unscaled = _explicit_attention(qkv, 2, causal=True, scale=False)
             np.testing.assert_allclose(unguarded, causal_unscaled, rtol=1e-4, atol=1e-4)
+    assert results["cross"]["flags"] == [False] and results["cross"]["splash_kernels"] == 0, results["cross"]
+    assert results["cross"]["error"] < 1e-5
 
 
 # === Which form runs where: decided per trace ===
@@ -512,9 +614,27 @@ def test_the_target_is_read_at_every_trace(monkeypatch):
             _fake_accelerator(patch, kind)
             assert kernels.current().device == kind.lower() and not kernels.current().tensorflow_cpu
     assert kernels.current().device == "cpu"  # Nothing remembered.
-    assert policy._kind(["/job:worker/replica:0/task:1/device:TPU:3"]) == "tpu"
-    assert policy._kind(["cuda:0"]) == policy._kind(["gpu:1"]) == "gpu"
-    assert policy._kind(["cpu:0", "/device:CPU:1"]) == "cpu"
+    assert policy.device_kind(["/job:worker/replica:0/task:1/device:TPU:3"]) == "tpu"
+    assert policy.device_kind(["cuda:0"]) == policy.device_kind(["gpu:1"]) == "gpu"
+    assert policy.device_kind(["cpu:0", "/device:CPU:1"]) == "cpu"
+
+
+def test_the_splash_guard_asks_the_policy(monkeypatch):
+    """Keras' Splash route is kept off on JAX wherever the policy targets a TPU or JAX's default
+    backend (what Keras reads) is one; never on other backends."""
+    from keras_vit.kernels import fused
+
+    for backend, target, default, want in (
+        ("jax", "cpu", "cpu", False),
+        ("jax", "gpu", "gpu", False),
+        ("jax", "tpu", "tpu", True),
+        ("jax", "cpu", "tpu", True),  # A keras.distribution over CPUs on a TPU machine.
+        ("jax", "tpu", "cpu", True),
+        ("torch", "tpu", "tpu", False),
+    ):
+        monkeypatch.setattr(policy, "current", lambda b=backend, t=target: policy.Target(b, t))
+        monkeypatch.setattr(policy, "default_device", lambda backend=None, d=default: d)
+        assert fused.keeps_off_keras_splash() is want, (backend, target, default)
 
 
 def _small_model():
@@ -671,53 +791,71 @@ def test_the_onednn_forms_on_a_cpu_that_leaves_onednn_off():
 # === cuDNN attention on padded tokens (JAX on an NVIDIA GPU) ===
 
 
-def _jax_explicit_attention(query, key, value, scale):
-    """softmax(q k^T * scale) v over (batch, tokens, heads, head_dim), written out in jax.numpy."""
-    import jax
-    import jax.numpy as jnp
+def _explicit_attention_gradients(query, key, value, upstream):
+    """The gradients of <softmax(q k^T / sqrt(head_dim)) v, upstream> with respect to q, k and v,
+    (batch, tokens, heads, head_dim) each, in float64 from the closed form: dV = P^T dO,
+    dS = P * (dO V^T - rowsum(dO V^T * P)), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d)."""
+    q, k, v, up = (np.asarray(x, "float64") for x in (query, key, value, upstream))
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    d_p = np.einsum("bqhd,bkhd->bhqk", up, v)
+    d_logits = p * (d_p - (d_p * p).sum(-1, keepdims=True)) * scale
+    return (
+        np.einsum("bhqk,bkhd->bqhd", d_logits, k),
+        np.einsum("bhqk,bqhd->bkhd", d_logits, q),
+        np.einsum("bhqk,bqhd->bkhd", p, up),
+    )
 
-    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key).astype("float32") * scale
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1).astype(value.dtype), value)
 
-
-@pytest.mark.parametrize("tokens, multiple", [(197, 64), (13, 8)])
-def test_padded_attention_is_the_unpadded_attention_with_its_gradients(tokens, multiple):
+@pytest.mark.parametrize("queries, tokens, multiple", [(197, 197, 64), (1, 197, 64), (3, 16, 8)])
+def test_padded_attention_is_the_unpadded_attention_with_its_gradients(queries, tokens, multiple):
     """Tokens padded with zeros, padded keys masked by length, padded queries dropped: the same
-    outputs as attention over the tokens alone (float64 NumPy within 1e-5) and the same gradients
-    with respect to queries, keys and values (JAX autodiff of the written-out form, 1e-5); run with
-    JAX's XLA implementation, the reference behind the cuDNN call on a GPU."""
+    outputs and gradients with respect to queries, keys and values as attention over the tokens
+    alone (float64 NumPy, the gradients' closed form, within 1e-5); run with JAX's XLA
+    implementation, the reference behind the cuDNN call on a GPU. Self-attention at 197 tokens,
+    the MAP head's one query attending to 197 tokens, and keys already a multiple of 8 (only the
+    queries padded)."""
     import jax
     import jax.numpy as jnp
 
     from keras_vit.kernels import fused
 
     heads, head_dim = 2, 16
-    scale = 1.0 / np.sqrt(head_dim)
-    qkv = _rng(tokens).normal(size=(2, tokens, 3, heads * head_dim)).astype("float32")
-    query, key, value = (jnp.asarray(qkv[:, :, i].reshape(2, tokens, heads, head_dim)) for i in range(3))
-    padded = jax.jit(lambda q, k, v: fused.padded_attention(q, k, v, scale, "xla", multiple))
-    got = np.asarray(padded(query, key, value))
-    np.testing.assert_allclose(got, _explicit_attention(qkv, heads), rtol=1e-5, atol=1e-5)
+    rng = _rng(tokens + queries)
+    query_array = rng.normal(size=(2, queries, heads * head_dim)).astype("float32")
+    key_value = rng.normal(size=(2, tokens, 2, heads * head_dim)).astype("float32")
+    upstream = rng.normal(size=(2, queries, heads, head_dim)).astype("float32")
+    query = query_array.reshape(2, queries, heads, head_dim)
+    key, value = (key_value[:, :, i].reshape(2, tokens, heads, head_dim) for i in range(2))
 
-    upstream = jnp.asarray(_rng(tokens + 1).normal(size=got.shape).astype("float32"))
+    def padded(q, k, v):
+        return fused.padded_attention(q, k, v, 1.0 / np.sqrt(head_dim), "xla", multiple)
 
-    def gradients(function):
-        return jax.grad(lambda q, k, v: jnp.sum(function(q, k, v) * upstream), argnums=(0, 1, 2))(query, key, value)
+    @jax.jit
+    def output_and_gradients(q, k, v):
+        out, backward = jax.vjp(padded, q, k, v)
+        return out, backward(jnp.asarray(upstream))
 
-    want = gradients(lambda q, k, v: _jax_explicit_attention(q, k, v, scale))
-    for name, g, w in zip("qkv", gradients(padded), want):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5, err_msg=name)
+    got, got_gradients = output_and_gradients(query, key, value)
+    want = _explicit_cross_attention(query_array, key_value, heads).reshape(got.shape)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    for name, g, w in zip("qkv", got_gradients, _explicit_attention_gradients(query, key, value, upstream)):
+        assert np.abs(w).max() > 0.05, name  # Gradients that could differ (one query's spread over 197 keys).
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5, err_msg=name)
 
     # bfloat16, as it runs on a GPU: within bfloat16's rounding of the float64 result.
-    bf16 = np.asarray(padded(*(x.astype(jnp.bfloat16) for x in (query, key, value))).astype("float32"))
-    np.testing.assert_allclose(bf16, _explicit_attention(qkv, heads), rtol=2e-2, atol=2e-2)
+    bf16 = np.asarray(jax.jit(padded)(*(jnp.asarray(x, jnp.bfloat16) for x in (query, key, value))), "float32")
+    np.testing.assert_allclose(bf16, want, rtol=2e-2, atol=2e-2)
 
 
 def attention_under_a_simulated_gpu(out_dir):
     """The child of the test below (Keras' JAX backend on the CPU, JAX's default backend reported
     as "gpu"): which attention call each case makes, with JAX's cuDNN calls run by its XLA
-    implementation; the outputs and a training step's gradients against the reference form; and
-    what happens where cuDNN is refused (the real cuDNN call on a CPU)."""
+    implementation; the outputs and a training step's gradients of a model with a MAP head against
+    the reference form; the model's forward pass traced on the GPU, then on the CPU; and what
+    happens where cuDNN is refused (the real cuDNN call on a CPU)."""
     import json
     import logging
     import pathlib
@@ -732,11 +870,15 @@ def attention_under_a_simulated_gpu(out_dir):
     def jax_spy(query, key, value, **kwargs):
         lengths = kwargs.get("key_value_seq_lengths")
         if kwargs.get("implementation") == "cudnn":  # Keras' route calls it too, with "xla".
-            calls.append(["jax", "cudnn", query.shape[1], None if lengths is None else int(lengths[0])])
+            try:
+                lengths = None if lengths is None else int(lengths[0])
+            except jax.errors.ConcretizationTypeError:  # Traced by jax.jit: known when it runs.
+                lengths = "traced"
+            calls.append(["jax", "cudnn", query.shape[1], key.shape[1], lengths])
         return jax_attention(query, key, value, **{**kwargs, "implementation": "xla"})
 
     def keras_spy(*args, **kwargs):
-        calls.append(["keras", kwargs.get("flash_attention"), args[0].shape[1], None])
+        calls.append(["keras", kwargs.get("flash_attention"), args[0].shape[1], args[1].shape[1], None])
         return keras_attention(*args, **kwargs)
 
     default_backend = jax.default_backend
@@ -755,14 +897,26 @@ def attention_under_a_simulated_gpu(out_dir):
             qkv = _rng(tokens).normal(size=(2, tokens, 3, hidden)).astype("float32")
             x = keras.ops.cast(qkv, dtype)
             got = keras.ops.convert_to_numpy(keras.ops.cast(kernels.attention(x, 4, training=training), "float32"))
-            results[name] = {"calls": list(calls), "error": float(np.abs(got - _explicit_attention(qkv, 4).reshape(got.shape)).max())}
+            error = float(np.abs(got - _explicit_attention(qkv, 4).reshape(got.shape)).max())
+            results[name] = {"calls": list(calls), "error": error}
 
-        # A training step of a model through the cuDNN route (run by XLA here) and through the
-        # reference form: the same loss and gradients within bfloat16 rounding.
+        # The MAP head's cross-attention: one query against 197 tokens.
+        query = _rng(1).normal(size=(2, 1, 64)).astype("float32")
+        key_value = _rng(2).normal(size=(2, 197, 2, 64)).astype("float32")
+        for dtype in ("bfloat16", "float32"):
+            calls.clear()
+            got = kernels.cross_attention(keras.ops.cast(query, dtype), keras.ops.cast(key_value, dtype), 4)
+            got = keras.ops.convert_to_numpy(keras.ops.cast(got, "float32"))
+            error = float(np.abs(got - _explicit_cross_attention(query, key_value, 4)).max())
+            results[f"cross {dtype}"] = {"calls": list(calls), "error": error}
+
+        # A model with a MAP head (16 patches, no class token), one jitted training step through
+        # the fused forms (cuDNN's, run by XLA here) and through the reference forms: the same loss
+        # and gradients within bfloat16 rounding.
         keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
         model = keras_vit.build_vit(
             "testing", image_size=16, patch_size=4, hidden_dim=32, num_heads=2, mlp_dim=64, num_layers=2,
-            num_classes=5, head_kernel_initializer="glorot_uniform",
+            num_classes=5, classifier="map", head_kernel_initializer="glorot_uniform",
         )  # fmt: skip
         images = _rng(3).uniform(0, 255, (4, 16, 16, 3)).astype("float32")
         labels = np.arange(4) % 5
@@ -775,26 +929,45 @@ def attention_under_a_simulated_gpu(out_dir):
                 logits, _ = model.stateless_call(trainable, fixed, images, training=True)
                 return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
 
-            value, grads = jax.value_and_grad(loss)(trainable)
+            # A new function each time: traced here, within the switches in force.
+            value, grads = jax.jit(jax.value_and_grad(loss))(trainable)
             return float(value), [np.asarray(g, "float32") for g in grads]
 
         calls.clear()
         fused_loss, fused_grads = loss_and_gradients()
-        results["model calls"] = sorted({tuple(c[:2]) for c in calls})
+        results["model calls"] = list(calls)
+        calls.clear()
         with kernels.portable_ops():
             reference_loss, reference_grads = loss_and_gradients()
         results["model"] = {
             "loss": [fused_loss, reference_loss],
-            "gradient error": max(float(np.abs(f - r).max() / (np.abs(r).max() + 1e-12)) for f, r in zip(fused_grads, reference_grads)),
+            "gradient error": max(
+                float(np.abs(f - r).max() / (np.abs(r).max() + 1e-12)) for f, r in zip(fused_grads, reference_grads)
+            ),
+            "reference calls": list(calls),
         }
-        keras.mixed_precision.set_dtype_policy("float32")
 
-        # The real cuDNN call on a machine without cuDNN: refused, said once, XLA's formulation runs.
+        # Its forward pass traced on the simulated GPU, then with the CPU as JAX's backend: the
+        # fused forms, then the reference forms only, nothing remembered.
+        predictions = {}
+        for device in ("gpu", "cpu"):
+            calls.clear()
+            jax.default_backend = default_backend if device == "cpu" else (lambda: "gpu")
+            predictions[device] = keras.ops.convert_to_numpy(jax.jit(lambda x: model(x))(images)).astype("float32")
+            results[f"model calls on the {device}"] = list(calls)
+        jax.default_backend = lambda: "gpu"
+        keras.mixed_precision.set_dtype_policy("float32")
+        results["model predictions"] = [predictions["gpu"].tolist(), predictions["cpu"].tolist()]
+
+        # The real cuDNN call on a machine without cuDNN: refused, logged at debug level each time
+        # (nothing remembered), XLA's formulation runs.
         jax.nn.dot_product_attention = jax_attention
         messages = []
         handler = logging.Handler()
-        handler.emit = lambda record: messages.append(record.getMessage())
-        logging.getLogger("keras_vit").addHandler(handler)
+        handler.emit = lambda record: messages.append([record.levelname, record.getMessage()])
+        logger = logging.getLogger("keras_vit")
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
         calls.clear()
         qkv = _rng(5).normal(size=(2, 197, 3, 64)).astype("float32")
         outputs = [
@@ -816,23 +989,38 @@ def attention_under_a_simulated_gpu(out_dir):
 def test_on_a_gpu_jax_runs_cudnn_attention_on_padded_tokens(tmp_path):
     """On a (simulated) GPU under JAX, 16-bit attention is cuDNN's on tokens padded to a multiple
     of 64 with the real count as the keys' length, for inference and training; float32 and head
-    widths cuDNN refuses take Keras' route; the results and a model's training gradients match the
-    reference form within bfloat16 rounding; where cuDNN is refused the fallback says so once."""
+    widths cuDNN refuses take Keras' route; the MAP head's cross-attention takes the same routes,
+    and a model with classifier="map" runs its head through cuDNN too; the results and the model's
+    training gradients match the reference form within bfloat16 rounding; traced again with the CPU
+    as JAX's backend, the model runs the reference forms; where cuDNN is refused the fallback says
+    so at debug level, each time."""
     from tests.test_parallel import run_in_jax_child
 
     results = run_in_jax_child("tests.test_kernels.attention_under_a_simulated_gpu", tmp_path, devices=1)
-    assert results["bfloat16 197"]["calls"] == [["jax", "cudnn", 256, 197]]
-    assert results["bfloat16 197 training"]["calls"] == [["jax", "cudnn", 256, 197]]
-    assert results["float16 128"]["calls"] == [["jax", "cudnn", 128, None]]  # Already a multiple: no mask.
-    assert results["float32 197"]["calls"] == [["keras", None, 197, None]]
-    assert results["bfloat16 head_dim 12"]["calls"] == [["keras", None, 197, None]]
-    for name in ("bfloat16 197", "bfloat16 197 training", "float16 128", "bfloat16 head_dim 12"):
+    assert results["bfloat16 197"]["calls"] == [["jax", "cudnn", 256, 256, 197]]
+    assert results["bfloat16 197 training"]["calls"] == [["jax", "cudnn", 256, 256, 197]]
+    assert results["float16 128"]["calls"] == [["jax", "cudnn", 128, 128, None]]  # Already a multiple: no mask.
+    assert results["float32 197"]["calls"] == [["keras", None, 197, 197, None]]
+    assert results["bfloat16 head_dim 12"]["calls"] == [["keras", None, 197, 197, None]]
+    assert results["cross bfloat16"]["calls"] == [["jax", "cudnn", 64, 256, 197]]  # One query, padded to 64.
+    assert results["cross float32"]["calls"] == [["keras", None, 1, 197, None]]
+    for name in ("bfloat16 197", "bfloat16 197 training", "float16 128", "bfloat16 head_dim 12", "cross bfloat16"):
         assert results[name]["error"] < 3e-2, (name, results[name]["error"])
-    assert results["float32 197"]["error"] < 1e-5
-    assert results["model calls"] == [["jax", "cudnn"]]
+    assert results["float32 197"]["error"] < 1e-5 and results["cross float32"]["error"] < 1e-5
+
+    # The model: two blocks' self-attention and the MAP head's cross-attention, all cuDNN's, 16
+    # tokens padded to 64 (the head's one query too) with 16 as the keys' length.
+    assert results["model calls"] == [["jax", "cudnn", 64, 64, "traced"]] * 3, results["model calls"]
+    assert results["model"]["reference calls"] == []
     fused_loss, reference_loss = results["model"]["loss"]
     assert abs(fused_loss - reference_loss) < 2e-2 * abs(reference_loss), results["model"]
     assert results["model"]["gradient error"] < 5e-2, results["model"]
+    assert results["model calls on the gpu"] == [["jax", "cudnn", 64, 64, "traced"]] * 3
+    assert results["model calls on the cpu"] == []
+    on_gpu, on_cpu = (np.asarray(p) for p in results["model predictions"])
+    np.testing.assert_allclose(on_gpu, on_cpu, rtol=3e-2, atol=3e-2 * np.abs(on_cpu).max())
+
     refused = results["refused"]
-    assert len(refused["messages"]) == 1 and "cuDNN attention is not available here" in refused["messages"][0]
-    assert refused["calls"] == [["keras", None, 197, None]] * 2 and refused["error"] < 3e-2
+    assert [level for level, _ in refused["messages"]] == ["DEBUG", "DEBUG"], refused["messages"]
+    assert all("cuDNN attention is not available here" in message for _, message in refused["messages"])
+    assert refused["calls"] == [["keras", None, 197, 197, None]] * 2 and refused["error"] < 3e-2

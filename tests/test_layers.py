@@ -181,11 +181,11 @@ def _straightforward_block(block, hidden):
     dense2.set_weights(block.mlp_dense_2.get_weights())
     attention = block.attention
     kernel, bias = attention.qkv_kernel.numpy(), attention.qkv_bias.numpy()
-    for i, dense in enumerate((mha._query_dense, mha._key_dense, mha._value_dense)):
+    for i, dense in enumerate((mha.query_dense, mha.key_dense, mha.value_dense)):
         dense.kernel.assign(kernel[:, i].reshape(hidden, heads, head_dim))
         dense.bias.assign(bias[i].reshape(heads, head_dim))
-    mha._output_dense.kernel.assign(attention.output_kernel.numpy().reshape(heads, head_dim, hidden))
-    mha._output_dense.bias.assign(attention.output_bias.numpy())
+    mha.output_dense.kernel.assign(attention.output_kernel.numpy().reshape(heads, head_dim, hidden))
+    mha.output_dense.bias.assign(attention.output_bias.numpy())
 
     def call(x):
         y = ln1(x)
@@ -409,3 +409,10 @@ def test_map_head_matches_numpy_reference(gelu, function):
     assert got.shape == (3, dim)
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
     assert np.ptp(expected, axis=0).max() > 0.1  # The probe's output depends on the tokens.
+    # Its attention as the fused form (`keras.ops.dot_product_attention`, what a GPU or TPU runs off
+    # TensorFlow): the same numbers.
+    from keras_vit import kernels
+
+    with kernels.fused_attention(True):
+        fused = keras.ops.convert_to_numpy(head(tokens))
+    np.testing.assert_allclose(fused, expected, atol=1e-5, rtol=1e-5)

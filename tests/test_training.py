@@ -108,3 +108,22 @@ def test_resolve_jit_compile(monkeypatch):
         assert resolve_jit_compile("auto", precision, training=False) is True
     with pytest.raises(ValueError, match=r"one of \('auto', 'on', 'off'\).*Received: jit_compile='yes'"):
         resolve_jit_compile("yes")
+
+
+def test_resolve_jit_compile_asks_the_platform_policy(monkeypatch):
+    """"auto" is `keras_vit.kernels.policy.use_xla`, read where the call is made: a GPU or TPU
+    gets XLA whatever the precision, and the same call back on the CPU gets the CPU's rule."""
+    from keras_vit import compat
+    from keras_vit.kernels import policy
+    from keras_vit.training import resolve_jit_compile
+
+    monkeypatch.setattr(compat, "onednn_enabled", lambda: True)
+    cases = [(precision, training) for precision in ("float32", "mixed_bfloat16") for training in (True, False)]
+    on_cpu = [resolve_jit_compile("auto", *case) for case in cases]
+    assert on_cpu == [True, False, False, False]
+    assert on_cpu == [policy.use_xla(*case) for case in cases]
+    for kind in ("gpu", "tpu"):
+        with monkeypatch.context() as patch:
+            patch.setattr(policy, "default_device", lambda backend=None, kind=kind: kind)
+            assert [resolve_jit_compile("auto", *case) for case in cases] == [True] * 4
+    assert [resolve_jit_compile("auto", *case) for case in cases] == on_cpu

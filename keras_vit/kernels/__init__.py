@@ -1,24 +1,35 @@
-"""The computations the layers delegate: attention, layer norm, dense, dropout.
+"""The computations the layers delegate: attention, cross-attention, layer norm, dense, dropout.
 
 Each entry point has one reference form in `keras.ops`
 (`keras_vit.kernels.reference`), the definition, and fast forms for particular
 places:
 
-| entry point | where | form |
-|---|---|---|
-| `attention` | JAX on an NVIDIA GPU, 16-bit | cuDNN's fused attention on the tokens padded to a multiple of 64, padded keys masked by length (`fused`) |
-| `attention` | GPU or TPU otherwise, backend other than TensorFlow | `keras.ops.dot_product_attention` (`fused`; on TPUs without Keras' Splash route) |
-| `attention` | TensorFlow on a CPU, training | two halves of an even batch; float32 without dropout: gradient written out (`tf_cpu`) |
-| `attention` | TensorFlow on a CPU with oneDNN, 16-bit inference | softmax without the casts around it (`tf_cpu`) |
-| `layer_norm` | TensorFlow on a CPU with oneDNN, inference | the subgraph oneDNN's LayerNorm replaces (`tf_cpu`) |
-| `layer_norm` | TensorFlow on a CPU, float32 training | channel means as matmuls, gradient written out (`tf_cpu`) |
-| `dense` | TensorFlow | 2-D MatMul + BiasAdd (+ GELU, exact or tanh), which the graph optimiser fuses, for kernels of any rank (`tf_ops`) |
-| `dropout` | TensorFlow on a CPU, XLA-compiled | ThreeFry masks (`tf_cpu`) |
+- `attention`:
+  - JAX on an NVIDIA GPU, 16-bit: cuDNN's fused attention on the tokens padded
+    to a multiple of 64, padded keys masked by length (`fused`);
+  - GPU or TPU otherwise, backend other than TensorFlow:
+    `keras.ops.dot_product_attention` (`fused`; on TPUs without Keras' Splash
+    route);
+  - TensorFlow on a CPU, training: two halves of an even batch; float32
+    without dropout: the gradient written out (`tf_cpu`);
+  - TensorFlow on a CPU with oneDNN, 16-bit inference: the softmax without the
+    casts around it (`tf_cpu`).
+- `cross_attention` (the MAP head's): on a GPU or TPU with a backend other
+  than TensorFlow, `attention`'s two fused forms (`fused`).
+- `layer_norm`:
+  - TensorFlow on a CPU with oneDNN, inference: the subgraph oneDNN's
+    LayerNorm replaces (`tf_cpu`);
+  - TensorFlow on a CPU, float32 training: channel means as matmuls, the
+    gradient written out (`tf_cpu`).
+- `dense`, TensorFlow: 2-D MatMul + BiasAdd (+ GELU, exact or tanh), which the
+  graph optimiser fuses, for kernels of any rank (`tf_ops`).
+- `dropout`, TensorFlow on a CPU, XLA-compiled: ThreeFry masks (`tf_cpu`).
 
 The form is chosen each time an entry point is traced, from
 `policy.current()`: where those ops will run (backend, device or distribution
-strategy), the dtype, whether TensorFlow runs oneDNN (`compat.onednn_enabled()`:
-by default only on CPUs with AVX512-VNNI, AVX512-BF16 or AMX), and the explicit switches `portable_ops()` (reference
+strategy), the dtype, whether TensorFlow runs oneDNN
+(`compat.onednn_enabled()`: by default only on CPUs with AVX512-VNNI,
+AVX512-BF16 or AMX), and the explicit switches `portable_ops()` (reference
 forms everywhere; exports use it) and `fused_attention(enabled)`. Nothing is
 remembered between traces.
 """
@@ -27,7 +38,17 @@ from keras_vit import compat
 from keras_vit.kernels import policy, reference
 from keras_vit.kernels.policy import current, fused_attention, portable_ops
 
-__all__ = ["attention", "current", "dense", "dropout", "fused_attention", "layer_norm", "portable_ops", "reference"]
+__all__ = [
+    "attention",
+    "cross_attention",
+    "current",
+    "dense",
+    "dropout",
+    "fused_attention",
+    "layer_norm",
+    "portable_ops",
+    "reference",
+]
 
 
 def attention(qkv, num_heads, *, training=False, dropout=None, return_probabilities=False):
@@ -65,6 +86,30 @@ def attention(qkv, num_heads, *, training=False, dropout=None, return_probabilit
         if compat.onednn_enabled():
             return tf_cpu.attention_for_inference(qkv, num_heads)
     return reference.attention(qkv, num_heads, training, dropout)[0]
+
+
+def cross_attention(query, key_value, num_heads, *, training=False):
+    """Multi-head attention of query tokens to other tokens: the MAP head's probe attending to
+    the encoder's tokens (big_vision's `MAPHead`, timm's `AttentionPoolLatent`).
+
+    Args:
+        query: (batch, query tokens, hidden), the query projections, heads
+            inside.
+        key_value: (batch, tokens, 2, hidden), the key and value projections
+            stacked (the layer's layout), heads inside each.
+        num_heads: heads; hidden must be divisible by it.
+        training: whether the call is a training step (for the fused form's
+            choice of kernel; there is no dropout).
+
+    Returns:
+        The attended values, (batch, query tokens, hidden).
+    """
+    _check_cross_attention(query, key_value, num_heads)
+    if policy.current().use_fused_attention:
+        from keras_vit.kernels import fused
+
+        return fused.cross_attention(query, key_value, num_heads, training=bool(training))
+    return reference.cross_attention(query, key_value, num_heads)
 
 
 def layer_norm(x, gamma, beta, epsilon, *, training=False):
@@ -113,6 +158,27 @@ def _check_qkv(qkv, num_heads):
         )
 
 
+def _check_cross_attention(query, key_value, num_heads):
+    query_shape, key_value_shape = tuple(query.shape), tuple(key_value.shape)
+    hidden = query_shape[-1]
+    if (
+        len(query_shape) != 3
+        or len(key_value_shape) != 4
+        or key_value_shape[2] != 2
+        or key_value_shape[-1] != hidden
+        or hidden is None
+    ):
+        raise ValueError(
+            "`query` must have shape (batch, query tokens, hidden) and `key_value` (batch, tokens, 2, hidden). "
+            f"Received: query.shape={query_shape}, key_value.shape={key_value_shape}"
+        )
+    if hidden % num_heads:
+        raise ValueError(
+            f"The hidden width must be divisible by `num_heads`. Received: query.shape={query_shape}, "
+            f"num_heads={num_heads}"
+        )
+
+
 def dropout(x, rate, seed_generator, noise_shape=None):
     """Training-mode dropout: elements kept with probability 1 - rate, scaled by 1 / (1 - rate)."""
     if policy.current().tensorflow_cpu and noise_shape is None and 0.0 < rate < 1.0 and compat.in_xla_context():
@@ -120,4 +186,3 @@ def dropout(x, rate, seed_generator, noise_shape=None):
 
         return tf_cpu.dropout_in_xla(x, rate, seed_generator)
     return reference.dropout(x, rate, seed_generator, noise_shape)
-

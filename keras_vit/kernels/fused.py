@@ -1,5 +1,6 @@
 """Attention as one fused kernel: the fast form on GPUs and TPUs with a backend
-other than TensorFlow.
+other than TensorFlow, for self-attention (`attention`) and the MAP head's
+cross-attention (`cross_attention`) alike (`attend`).
 
 - JAX on an NVIDIA GPU, 16-bit: cuDNN's fused (flash) attention, forward and
   backward, through `jax.nn.dot_product_attention(implementation="cudnn")` on
@@ -11,6 +12,7 @@ other than TensorFlow.
   form asks Keras for no flash kernel (`keeps_off_keras_splash`).
 """
 
+import logging
 import math
 
 import keras
@@ -26,28 +28,42 @@ CUDNN_TOKEN_MULTIPLE = 64
 # cuDNN's limits on the head width (JAX's `check_is_flash_attention`).
 CUDNN_HEAD_DIM_MULTIPLE, CUDNN_MAX_HEAD_DIM = 8, 128
 
-_cudnn_refusals = set()
-
 
 def attention(qkv, num_heads, training=False):
     """The reference `attention`'s attended values, without probabilities or dropout."""
     tokens = qkv.shape[1]
     hidden = reference.qkv_width(qkv)
-    head_dim = hidden // num_heads
     # (batch, tokens, heads, head_dim) is the layout the fused kernels take: no transposes.
-    qkv = ops.reshape(qkv, (-1, tokens, 3, num_heads, head_dim))
-    query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    scale = 1.0 / math.sqrt(head_dim)
-    attended = None
-    if uses_padded_cudnn(query.dtype, head_dim):
-        attended = _padded_cudnn_or_none(query, key, value, scale)
-    if attended is None:
-        # Keras' flash route: not for training (cuDNN refuses the backward pass
-        # of 197 tokens there and Keras would log that at every trace) and never
-        # Keras' Splash route on a TPU.
-        flash_attention = False if training or keeps_off_keras_splash() else None
-        attended = ops.dot_product_attention(query, key, value, scale=scale, flash_attention=flash_attention)
+    qkv = ops.reshape(qkv, (-1, tokens, 3, num_heads, hidden // num_heads))
+    attended = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], training)
     return ops.reshape(attended, (-1, tokens, hidden))
+
+
+def cross_attention(query, key_value, num_heads, training=False):
+    """The reference `cross_attention`: query (batch, query tokens, hidden) attending to
+    key_value (batch, tokens, 2, hidden)."""
+    query_tokens, tokens, hidden = query.shape[1], key_value.shape[1], query.shape[-1]
+    head_dim = hidden // num_heads
+    query = ops.reshape(query, (-1, query_tokens, num_heads, head_dim))
+    key_value = ops.reshape(key_value, (-1, tokens, 2, num_heads, head_dim))
+    attended = attend(query, key_value[:, :, 0], key_value[:, :, 1], training)
+    return ops.reshape(attended, (-1, query_tokens, hidden))
+
+
+def attend(query, key, value, training=False):
+    """softmax(query key^T / sqrt(head_dim)) value over (batch, tokens, heads, head_dim) tensors
+    (the query's tokens may differ from the keys'), as one fused kernel: cuDNN's on padded tokens
+    where `uses_padded_cudnn`, `keras.ops.dot_product_attention` otherwise."""
+    scale = 1.0 / math.sqrt(query.shape[-1])
+    if uses_padded_cudnn(query.dtype, query.shape[-1]):
+        attended = _padded_cudnn_or_none(query, key, value, scale)
+        if attended is not None:
+            return attended
+    # Keras' flash route: not for training (cuDNN refuses the backward pass
+    # of 197 tokens there and Keras would log that at every trace) and never
+    # Keras' Splash route on a TPU.
+    flash_attention = False if training or keeps_off_keras_splash() else None
+    return ops.dot_product_attention(query, key, value, scale=scale, flash_attention=flash_attention)
 
 
 def uses_padded_cudnn(dtype, head_dim):
@@ -65,46 +81,48 @@ def uses_padded_cudnn(dtype, head_dim):
 
 def padded_attention(query, key, value, scale, implementation=None, multiple=CUDNN_TOKEN_MULTIPLE):
     """softmax(query key^T * scale) value over (batch, tokens, heads, head_dim)
-    JAX arrays, computed on the tokens padded with zeros to a multiple of
-    `multiple`: the padded keys are masked out by their count
-    (`key_value_seq_lengths`) and the padded queries' rows dropped, so the
-    result is the unpadded attention's. `implementation`: JAX's, "cudnn" or
-    "xla" (None: JAX's choice, XLA)."""
+    JAX arrays (the query's tokens may differ from the keys'), computed on the
+    tokens padded with zeros to a multiple of `multiple`: the padded keys are
+    masked out by their count (`key_value_seq_lengths`) and the padded queries'
+    rows dropped, so the result is the unpadded attention's. `implementation`:
+    JAX's, "cudnn" or "xla" (None: JAX's choice, XLA)."""
     import jax
     import jax.numpy as jnp
 
-    batch, tokens = query.shape[0], query.shape[1]
-    padding = -tokens % multiple
-    lengths = None
-    if padding:
-        widths = ((0, 0), (0, padding), (0, 0), (0, 0))
-        query, key, value = (jnp.pad(x, widths) for x in (query, key, value))
-        lengths = jnp.full((batch,), tokens, jnp.int32)
+    batch, query_tokens, tokens = query.shape[0], query.shape[1], key.shape[1]
+
+    def padded(x):
+        padding = -x.shape[1] % multiple
+        return jnp.pad(x, ((0, 0), (0, padding), (0, 0), (0, 0))) if padding else x
+
+    # Padded keys masked by the count of real ones; padded queries' rows dropped below.
+    lengths = jnp.full((batch,), tokens, jnp.int32) if tokens % multiple else None
     attended = jax.nn.dot_product_attention(
-        query, key, value, scale=scale, key_value_seq_lengths=lengths, implementation=implementation
-    )
-    return attended[:, :tokens]
+        padded(query), padded(key), padded(value), scale=scale, key_value_seq_lengths=lengths,
+        implementation=implementation,
+    )  # fmt: skip
+    return attended[:, :query_tokens]
 
 
 def _padded_cudnn_or_none(query, key, value, scale):
     """`padded_attention` through cuDNN, or None where JAX refuses it here
-    (no cuDNN, a GPU before Ampere, a JAX without the route), said once per reason."""
+    (no cuDNN, a GPU before Ampere, a JAX without the route).
+
+    The refusal is logged at debug level each time, which is each time an
+    attention is traced: nothing is remembered between traces, and the
+    fallback computes the same function."""
     try:
         return padded_attention(query, key, value, scale, implementation="cudnn")
     except (NotImplementedError, RuntimeError, ValueError) as error:
-        reason = f"{type(error).__name__}: {error}"
-        if reason not in _cudnn_refusals:
-            _cudnn_refusals.add(reason)
-            import logging
-
-            logging.getLogger("keras_vit").warning(
-                "cuDNN attention is not available here (%s); attention runs as XLA's formulation.", reason
-            )
+        logging.getLogger("keras_vit").debug(
+            "cuDNN attention is not available here (%s: %s); attention runs as XLA's formulation.",
+            type(error).__name__,
+            error,
+        )
         return None
 
 
 def keeps_off_keras_splash():
-
     """Whether attention traced now must ask Keras for no flash kernel: on the JAX
     backend where Keras would run its Splash (TPU) kernel.
 
@@ -126,11 +144,7 @@ def keeps_off_keras_splash():
     tests/test_kernels.py runs that route (Splash interpreted on the CPU) and
     its line asserting that the route still differs fails once it no longer does.
     """
-    if keras.backend.backend() != "jax":
-        return False
-    if policy.current().device == "tpu":
-        return True
-    import jax
-
-    # What Keras itself reads, whatever keras_vit's policy concluded.
-    return jax.devices()[0].platform == "tpu"
+    target = policy.current()
+    # Keras reads JAX's first device (its default backend's), whatever keras_vit's policy concluded
+    # from a `keras.distribution`: both are asked.
+    return target.backend == "jax" and "tpu" in (target.device, policy.default_device("jax"))

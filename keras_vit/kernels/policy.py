@@ -19,17 +19,28 @@ Two explicit switches, for the ops traced within them on the calling thread:
 `portable_ops()` (the reference forms, which every runtime and converter
 knows; exports trace inside it) and `fused_attention(enabled)` (force
 `keras.ops.dot_product_attention` on or off, to compare the two).
+
+The same platform decides whether a step is XLA-compiled (`use_xla`, what
+`keras_vit.training.resolve_jit_compile("auto")` answers), and `default_device`
+says where a backend places ops outside any strategy or distribution (what
+Keras itself reads on JAX, for the guard in `kernels.fused`).
 """
 
 import contextlib
+import contextvars
 import dataclasses
-import threading
 
 import keras
 
+from keras_vit import compat
+
 DEVICES = ("cpu", "gpu", "tpu")
 
-_SWITCHES = threading.local()
+# The two switches' values for the code running within them: context-local (each thread, and each
+# asyncio task, sees its own), set on entering a switch and restored on leaving it. The module's
+# only state; nothing is remembered between traces.
+_PORTABLE = contextvars.ContextVar("keras_vit_portable_ops", default=False)
+_FUSED_ATTENTION = contextvars.ContextVar("keras_vit_fused_attention", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,18 +78,51 @@ def current():
     return Target(
         backend=backend,
         device=device(backend),
-        portable=bool(getattr(_SWITCHES, "portable", False)),
-        fused_attention=getattr(_SWITCHES, "fused_attention", None),
+        portable=_PORTABLE.get(),
+        fused_attention=_FUSED_ATTENTION.get(),
     )
 
 
 def device(backend=None):
-    """"cpu", "gpu" or "tpu": where ops traced now with `backend` (default: Keras') run."""
+    """The kind of device ("cpu", "gpu" or "tpu") where ops traced now with `backend` (default: Keras') run: the
+    devices of the distribution strategy (TensorFlow) or `keras.distribution` (JAX) in force,
+    otherwise `default_device(backend)`."""
     backend = backend or keras.backend.backend()
     if backend == "tensorflow":
-        return _tensorflow_device()
+        import tensorflow as tf
+
+        if tf.distribute.has_strategy():
+            strategy = tf.distribute.get_strategy()
+            if isinstance(strategy, tf.distribute.TPUStrategy):
+                return "tpu"
+            return device_kind(strategy.extended.worker_devices)
     if backend == "jax":
-        return _jax_device()
+        distribution = keras.distribution.distribution()
+        if distribution is not None:
+            return device_kind(distribution.device_mesh.devices.flatten())
+    return default_device(backend)
+
+
+def default_device(backend=None):
+    """The kind of device ("cpu", "gpu" or "tpu") where `backend` (default: Keras') places ops outside any
+    distribution strategy or `keras.distribution`.
+
+    TensorFlow: the logical devices it places ops on by default (a GPU or TPU
+    wins over the CPU). JAX: its default backend, the platform of
+    `jax.devices()[0]`. PyTorch: a GPU where CUDA is available.
+    """
+    backend = backend or keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        for kind in ("TPU", "GPU"):
+            if tf.config.list_logical_devices(kind):
+                return kind.lower()
+        return "cpu"
+    if backend == "jax":
+        import jax
+
+        return device_kind([jax.default_backend()])
     if backend == "torch":
         import torch
 
@@ -86,12 +130,13 @@ def device(backend=None):
     return "cpu"
 
 
-def _kind(devices):
-    """The strongest kind among devices: TensorFlow names ("/job:worker/device:GPU:0"),
-    Keras' ("gpu:0") or JAX devices (their `platform`)."""
+def device_kind(devices):
+    """The strongest kind ("tpu", then "gpu", else "cpu") among `devices`, given as TensorFlow names
+    ("/job:worker/device:GPU:0"), Keras' ("gpu:0"), JAX platforms ("cuda") or JAX devices
+    (their `platform`)."""
     kinds = set()
-    for device in devices:
-        name = getattr(device, "platform", None) or str(device).rsplit("device:", 1)[-1]
+    for name in devices:
+        name = getattr(name, "platform", None) or str(name).rsplit("device:", 1)[-1]
         kinds.add(name.strip("/").lower())
     for kind, prefixes in (("tpu", ("tpu",)), ("gpu", ("gpu", "cuda", "rocm"))):
         if any(name.startswith(prefixes) for name in kinds):
@@ -99,47 +144,90 @@ def _kind(devices):
     return "cpu"
 
 
-def _tensorflow_device():
-    import tensorflow as tf
-
-    if tf.distribute.has_strategy():
-        strategy = tf.distribute.get_strategy()
-        if isinstance(strategy, tf.distribute.TPUStrategy):
-            return "tpu"
-        return _kind(strategy.extended.worker_devices)
-    for kind in ("TPU", "GPU"):
-        if tf.config.list_logical_devices(kind):
-            return kind.lower()
-    return "cpu"
-
-
-def _jax_device():
-    distribution = keras.distribution.distribution()
-    if distribution is not None:
-        return _kind(distribution.device_mesh.devices.flatten())
-    import jax
-
-    return _kind([jax.default_backend()])
-
-
 @contextlib.contextmanager
-def _switch(name, value):
-    previous = getattr(_SWITCHES, name, None)
-    setattr(_SWITCHES, name, value)
+def _switch(variable, value):
+    token = variable.set(value)
     try:
         yield
     finally:
-        setattr(_SWITCHES, name, previous)
+        variable.reset(token)
 
 
 def portable_ops():
     """Kernels traced within it use their reference forms: ops that every runtime
     and converter knows (TFLite, ONNX, any device). Exports trace inside it."""
-    return _switch("portable", True)
+    return _switch(_PORTABLE, True)
 
 
 def fused_attention(enabled):
     """Attention traced within it is `keras.ops.dot_product_attention` (True) or
     the reference form's explicit matmuls and softmax (False), on any backend
     and device. Both compute the same function; for comparing them."""
-    return _switch("fused_attention", bool(enabled))
+    return _switch(_FUSED_ATTENTION, bool(enabled))
+
+
+# === XLA or not ===
+
+
+def use_xla(precision=None, training=True, strategy=None):
+    """Whether a step compiled now should be XLA-compiled: what works, and of that what runs
+    fastest, for the distribution strategy, platform and precision (measure it with
+    `python -m experiments.benchmark`). `keras_vit.training.resolve_jit_compile("auto")`.
+
+    - TensorFlow under a strategy over several replicas or a TPU
+      (`MirroredStrategy`, `MultiWorkerMirroredStrategy`, `TPUStrategy`, ...):
+      no XLA, Keras' own rule for `tf.distribute`. A TPU compiles each step
+      with XLA whatever `jit_compile` says; `MirroredStrategy` over several
+      devices of one host cannot run an XLA-compiled step whose variables
+      live on several devices ("Trying to access resource ... located in
+      device CPU:1 from device CPU:0"), and XLA has no CPU collectives for
+      `MultiWorkerMirroredStrategy` ("Collectives are not yet implemented for
+      CPU devices when compiling with XLA").
+    - Otherwise (no strategy, `OneDeviceStrategy`, Keras' JAX backend with
+      or without `keras.distribution`):
+      - GPU, TPU and the JAX backend: XLA, always.
+      - CPU, TensorFlow with oneDNN (`keras_vit.compat.onednn_enabled()`):
+        - float32: XLA for training, whose backward pass has much
+          element-wise work for XLA to fuse; no XLA for inference, where
+          TensorFlow's graph optimiser fuses the forward pass into oneDNN
+          kernels that run it faster than XLA's CPU code.
+        - bfloat16 or float16: no XLA. oneDNN runs bfloat16 matmuls on the
+          CPU's bfloat16 units (AMX, AVX512-BF16) while XLA's CPU compiler
+          computes them at float32 speed.
+      - CPU, TensorFlow without oneDNN (TensorFlow leaves it off on CPUs
+        without AVX512-VNNI, AVX512-BF16 or AMX): XLA, always; TensorFlow's
+        own CPU kernels then neither fuse the forward pass nor have fast
+        16-bit matmuls.
+
+    Like the kernels' forms, it is decided from where the call is made, each time.
+
+    Args:
+        precision: the dtype policy name ("float32", "mixed_bfloat16", ...);
+            the global policy when None.
+        training: whether the step trains (`fit`) or only predicts.
+        strategy: the `tf.distribute.Strategy` the step runs under; by default
+            the one whose scope is entered (TensorFlow backend).
+    """
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return True
+    if backend == "tensorflow" and not _one_device(strategy):
+        return False
+    if device(backend) != "cpu":
+        return True
+    if not compat.onednn_enabled():
+        return True
+    precision = precision or keras.mixed_precision.global_policy().name
+    return training and keras.mixed_precision.Policy(precision).compute_dtype == "float32"
+
+
+def _one_device(strategy=None):
+    """Whether `strategy` (default: TensorFlow's strategy in force) is none at all or a
+    `OneDeviceStrategy`, where XLA compiles the step as without a strategy."""
+    import tensorflow as tf
+
+    if strategy is None:
+        if not tf.distribute.has_strategy():
+            return True
+        strategy = tf.distribute.get_strategy()
+    return isinstance(strategy, tf.distribute.OneDeviceStrategy)

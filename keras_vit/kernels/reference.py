@@ -66,22 +66,54 @@ def qkv_width(qkv):
     return qkv.shape[-1] if len(qkv.shape) == 4 else qkv.shape[-1] // 3
 
 
-def split_heads(qkv, num_heads):
-    """(batch, tokens, 3, hidden) or (batch, tokens, 3 * hidden) -> query / sqrt(head_dim),
-    key, value, each (batch, heads, tokens, head_dim)."""
-    tokens = qkv.shape[1]
-    head_dim = qkv_width(qkv) // num_heads
-    qkv = ops.reshape(qkv, (-1, tokens, 3, num_heads, head_dim))
+def split_heads(x, num_heads):
+    """(batch, tokens, hidden) -> (batch, heads, tokens, head_dim)."""
+    tokens, hidden = x.shape[1], x.shape[-1]
+    return ops.transpose(ops.reshape(x, (-1, tokens, num_heads, hidden // num_heads)), (0, 2, 1, 3))
+
+
+def split_stacked_heads(projections, count, num_heads):
+    """`count` projections stacked, (batch, tokens, count, hidden) (the layers' layout) or the same
+    numbers as (batch, tokens, count * hidden) -> `count` tensors (batch, heads, tokens, head_dim)."""
+    tokens, width = projections.shape[1], projections.shape[-1]
+    hidden = width if len(projections.shape) == 4 else width // count
+    projections = ops.reshape(projections, (-1, tokens, count, num_heads, hidden // num_heads))
     # Unstacking the projections: its gradient is one stack, where indexing's is one
     # full-size zero tensor per index.
-    query, key, value = ops.unstack(ops.transpose(qkv, (2, 0, 3, 1, 4)), 3, axis=0)
-    return query * ops.cast(1.0 / math.sqrt(head_dim), query.dtype), key, value
+    return ops.unstack(ops.transpose(projections, (2, 0, 3, 1, 4)), count, axis=0)
+
+
+def scale_query(query):
+    """query / sqrt(head_dim), in query's dtype."""
+    return query * ops.cast(1.0 / math.sqrt(query.shape[-1]), query.dtype)
+
+
+def split_qkv(qkv, num_heads):
+    """(batch, tokens, 3, hidden) or (batch, tokens, 3 * hidden) -> query / sqrt(head_dim),
+    key, value, each (batch, heads, tokens, head_dim)."""
+    query, key, value = split_stacked_heads(qkv, 3, num_heads)
+    return scale_query(query), key, value
 
 
 def merge_heads(x):
     """(batch, heads, tokens, head_dim) -> (batch, tokens, heads * head_dim)."""
     heads, tokens, head_dim = x.shape[1], x.shape[2], x.shape[3]
     return ops.reshape(ops.transpose(x, (0, 2, 1, 3)), (-1, tokens, heads * head_dim))
+
+
+def attend(query, key, value, training=False, dropout=None):
+    """softmax(query key^T) value per head, each (batch, heads, tokens, head_dim) with the query
+    already scaled; returns (the attended values (batch, tokens, hidden), the probabilities
+    (batch, heads, query tokens, key tokens) in float32)."""
+    dtype = query.dtype
+    logits = ops.matmul(query, ops.swapaxes(key, -1, -2))
+    # Softmax in float32: bfloat16's 8 bits of mantissa are too few to
+    # normalise a row of a few hundred probabilities.
+    probabilities = ops.softmax(ops.cast(logits, "float32"), axis=-1)
+    weights = ops.cast(probabilities, dtype)
+    if dropout is not None:
+        weights = dropout(weights, training=training)
+    return merge_heads(ops.matmul(weights, value)), probabilities
 
 
 def attention(qkv, num_heads, training=False, dropout=None):
@@ -99,13 +131,21 @@ def attention(qkv, num_heads, training=False, dropout=None):
         (attended (batch, tokens, hidden), probabilities (batch, heads, tokens,
         tokens) in float32).
     """
-    query, key, value = split_heads(qkv, num_heads)
-    dtype = query.dtype
-    logits = ops.matmul(query, ops.swapaxes(key, -1, -2))
-    # Softmax in float32: bfloat16's 8 bits of mantissa are too few to
-    # normalise a row of a few hundred probabilities.
-    probabilities = ops.softmax(ops.cast(logits, "float32"), axis=-1)
-    weights = ops.cast(probabilities, dtype)
-    if dropout is not None:
-        weights = dropout(weights, training=training)
-    return merge_heads(ops.matmul(weights, value)), probabilities
+    return attend(*split_qkv(qkv, num_heads), training=training, dropout=dropout)
+
+
+def cross_attention(query, key_value, num_heads):
+    """softmax(q k^T / sqrt(head_dim)) v per head, the queries from other tokens than the keys
+    and values (the MAP head's probe attending to the encoder's tokens).
+
+    Args:
+        query: (batch, query tokens, hidden), the query projections, heads inside.
+        key_value: (batch, tokens, 2, hidden), the key and value projections
+            stacked, heads inside each.
+        num_heads: heads.
+
+    Returns:
+        The attended values, (batch, query tokens, hidden).
+    """
+    key, value = split_stacked_heads(key_value, 2, num_heads)
+    return attend(scale_query(split_heads(query, num_heads)), key, value)[0]

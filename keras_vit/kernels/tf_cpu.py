@@ -121,7 +121,7 @@ def _attend_with_gradient(query, key, value):
 
 def _attention_with_gradient(qkv, num_heads):
     """The reference float32 `attention` without dropout, its gradient written out."""
-    return reference.merge_heads(_attend_with_gradient(*reference.split_heads(qkv, num_heads)))
+    return reference.merge_heads(_attend_with_gradient(*reference.split_qkv(qkv, num_heads)))
 
 
 def attention_for_training(qkv, num_heads, dropout=None):
@@ -156,7 +156,7 @@ def attention_for_inference(qkv, num_heads):
     """
     if qkv.dtype == tf.float32:
         return reference.attention(qkv, num_heads)[0]
-    query, key, value = reference.split_heads(qkv, num_heads)
+    query, key, value = reference.split_qkv(qkv, num_heads)
     probabilities = tf.nn.softmax(tf.matmul(query, key, transpose_b=True), axis=-1)
     return reference.merge_heads(tf.matmul(probabilities, value))
 

@@ -1,7 +1,5 @@
 """The Transformer encoder block and the pooling of its tokens (paper eq. 2-4)."""
 
-import math
-
 import keras
 from keras import ops
 
@@ -175,7 +173,8 @@ class MAPHead(keras.layers.Layer):
 
     MHA projects the probe to queries and the tokens to keys and values (with
     biases), computes softmax(q k^T / sqrt(head_dim)) v per head (the softmax
-    in float32) and projects the heads' outputs back. No class token is
+    in float32; how is `keras_vit.kernels.cross_attention`'s choice) and
+    projects the heads' outputs back. No class token is
     needed; models with classifier "map" have none.
 
     Args:
@@ -230,19 +229,11 @@ class MAPHead(keras.layers.Layer):
         self.mlp_dense_2.build((input_shape[0], 1, self.mlp_dim))
 
     def call(self, tokens, training=None):
-        hidden, heads = tokens.shape[-1], self.num_heads
-        head_dim = hidden // heads
         probe = ops.cast(self.probe, tokens.dtype)
-        probe = ops.broadcast_to(probe, (ops.shape(tokens)[0], 1, hidden))
+        probe = ops.broadcast_to(probe, (ops.shape(tokens)[0], 1, tokens.shape[-1]))
         query = kernels.dense(probe, self.query_kernel, self.query_bias)  # (batch, 1, hidden)
         key_value = kernels.dense(tokens, self.key_value_kernel, self.key_value_bias)  # (batch, tokens, 2, hidden)
-        query = ops.transpose(ops.reshape(query, (-1, 1, heads, head_dim)), (0, 2, 1, 3))
-        key_value = ops.reshape(key_value, (-1, tokens.shape[1], 2, heads, head_dim))
-        key, value = ops.unstack(ops.transpose(key_value, (2, 0, 3, 1, 4)), 2, axis=0)
-        query = query * ops.cast(1.0 / math.sqrt(head_dim), query.dtype)
-        logits = ops.matmul(query, ops.swapaxes(key, -1, -2))  # (batch, heads, 1, tokens)
-        weights = ops.cast(ops.softmax(ops.cast(logits, "float32"), axis=-1), value.dtype)
-        attended = kernels.reference.merge_heads(ops.matmul(weights, value))
+        attended = kernels.cross_attention(query, key_value, self.num_heads, training=training)
         x = kernels.dense(attended, self.output_kernel, self.output_bias)
         x = x + self.mlp_dense_2(self.mlp_dense_1(self.norm(x, training=training)))
         return x[:, 0]
