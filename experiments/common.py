@@ -19,6 +19,7 @@ libraries, without side effects.
 import dataclasses
 import functools
 import json
+import sys
 import time
 import types
 import uuid
@@ -433,6 +434,9 @@ def run_job(main, define_flags):
     flag is defined when a job is imported.  Positional arguments are refused.
     """
     job_flags = types.SimpleNamespace(**define_flags())
+    for holder in vars(job_flags).values():
+        # --help lists the program's own flags: these, wherever they were defined (--config and --workdir here).
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[holder.name])
 
     def absl_main(argv):
         if len(argv) > 1:

@@ -26,27 +26,34 @@ JOB_FLAGS = {
 OTHER_COMMANDS = []
 
 IMPORT_SCRIPT = """
-import importlib, json, sys
+import contextlib, importlib, io, json, re, sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 import keras, tensorflow, keras_vit
+app.define_help_flags()  # What app.run defines on its first call: --help and its kin.
 before = set(flags.FLAGS)
 modules = {name: importlib.import_module("experiments." + name) for name in sys.argv[1:]}
-seen = {"defined_on_import": sorted(set(flags.FLAGS) - before), "define_flags": {}}
+seen = {"defined_on_import": sorted(set(flags.FLAGS) - before), "help": {}}
+from experiments import common
 for name, module in modules.items():
-    if hasattr(module, "define_flags"):
-        holders = module.define_flags()
-        seen["define_flags"][name] = sorted(holder.name for holder in holders.values())
-        for holder in holders.values():
-            delattr(flags.FLAGS, holder.name)
+    if not hasattr(module, "define_flags"):
+        continue
+    # The job's command line, as `python -m experiments.NAME --help` runs it: run_job defines the flags.
+    sys.argv = [f"{name}.py", "--help"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        common.run_job(module.main, module.define_flags)
+    seen["help"][name] = sorted(re.findall(r"^  --(?:\\[no\\])?(\\w+)", out.getvalue(), flags=re.M))
+    for flag in set(flags.FLAGS) - before:
+        delattr(flags.FLAGS, flag)
 print(json.dumps(seen))
 """
 
 
 def test_the_jobs_import_together_and_define_no_flag():
     """Every job of experiments/ imported in one process, as a library: nothing defined, nothing started
-    (two jobs' flags of one name would otherwise clash: DuplicateFlagError). Each job's flags come from
-    its define_flags, which its command line calls."""
+    (two jobs' flags of one name would otherwise clash: DuplicateFlagError). Each job's flags are defined
+    when its command line runs (`common.run_job`), and its --help lists them."""
     jobs = [*JOB_FLAGS, *OTHER_COMMANDS]
     result = subprocess.run(
         [sys.executable, "-c", IMPORT_SCRIPT, *jobs], cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -55,7 +62,7 @@ def test_the_jobs_import_together_and_define_no_flag():
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen["defined_on_import"] == []
-    assert {name: seen["define_flags"][name] for name in JOB_FLAGS} == JOB_FLAGS
+    assert {name: seen["help"][name] for name in JOB_FLAGS} == JOB_FLAGS
 
 
 def test_common_examples():
