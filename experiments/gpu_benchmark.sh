@@ -7,7 +7,10 @@
 # picks some. ANCHORS=<path of gpu_anchors.py> also runs its timm and Flax anchors for the B/16 step.
 # Needs jax with CUDA, keras and keras-hub importable by $PY, timm and torch by $TIMM_PY (default $PY); WHEELS=<folder of .whl
 # files> installs missing ones into /tmp/site first, for a machine without a package index. Logs go to
-# $OUT (default /tmp/keras_vit-gpu).
+# $OUT (default /tmp/keras_vit-gpu). Each run appends its row to $RESULTS, by default
+# results/gpu_<the GPU's name>.jsonl (results/gpu_h200.jsonl on an NVIDIA H200), whose rows the tables of
+# README.md and docs/performance.md are made of (`python -m experiments.benchmark.tables`); with TINY=1 the
+# rows go to $OUT/results.jsonl instead, since the testing variant's figures describe no GPU.
 #
 #     bash experiments/gpu_benchmark.sh
 #     ROWS="attention b16_train" STEPS=2 REPEATS=1 bash experiments/gpu_benchmark.sh  # a quick try
@@ -23,7 +26,14 @@ if [ -n "${WHEELS:-}" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
-command -v nvidia-smi > /dev/null && nvidia-smi -L
+GPU_NAME=unknown
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi -L
+  # "NVIDIA H200" -> h200, "NVIDIA H100 80GB HBM3" -> h100_80gb_hbm3.
+  GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' | sed -e 's/^nvidia //' -e 's/[^a-z0-9]\{1,\}/_/g' -e 's/_$//')
+fi
+if [ -n "${TINY:-}" ]; then RESULTS=${RESULTS:-$OUT/results.jsonl}; else RESULTS=${RESULTS:-results/gpu_$GPU_NAME.jsonl}; fi
+echo "rows appended to $RESULTS"
 $PY -c "import jax, keras, keras_hub
 print('jax', jax.__version__, jax.devices(), '| keras', keras.__version__, '| keras-hub', keras_hub.__version__)" || exit 1
 $TIMM_PY -c "import timm, torch; print('timm', timm.__version__, '| torch', torch.__version__)" || exit 1
@@ -31,7 +41,7 @@ status=0
 run() {  # log name, time limit in seconds, benchmark flags
   local name=$1 limit=$2; shift 2
   echo "=== python -m experiments.benchmark $*"
-  timeout "$limit" $PY -m experiments.benchmark "$@" --timm_python="$TIMM_PY" > "$OUT/$name.log" 2>&1 || { echo "failed: see $OUT/$name.log"; status=1; }
+  timeout "$limit" $PY -m experiments.benchmark "$@" --timm_python="$TIMM_PY" --results_file="$RESULTS" > "$OUT/$name.log" 2>&1 || { echo "failed: see $OUT/$name.log"; status=1; }
   grep -E "^(  |[A-Z]|keras_vit|fused)" "$OUT/$name.log" | grep -v "^[IWE][0-9]" | tail -14
 }
 

@@ -26,6 +26,9 @@ import time
 
 import numpy as np
 
+# The peers `--compare` takes, and the package each needs (the `bench` extra).
+PEERS = {"keras_hub": ("keras_hub", "keras-hub"), "timm": ("timm", "timm"), "timm_compiled": ("timm", "timm")}
+
 MISSING = (
     "{package} is not installed; the comparison needs the optional `bench` extra: "
     "pip install -e \".[bench]\" (see README, Performance)."
@@ -40,6 +43,18 @@ def require(module, package):
     """
     if importlib.util.find_spec(module) is None:
         raise SystemExit(MISSING.format(package=package))
+
+
+def check_compare(compare, timm_python=None):
+    """Exits naming what is wrong with the peers of `--compare`: a name that is none of `PEERS`, or a
+    peer whose package is not installed (timm's is looked for only when it runs in this interpreter)."""
+    unknown = sorted(set(compare) - set(PEERS))
+    if unknown:
+        raise SystemExit(f"--compare takes a subset of {list(PEERS)}. Received: {unknown}")
+    for peer in compare:
+        module, package = PEERS[peer]
+        if module == "keras_hub" or timm_python is None:
+            require(module, package)
 
 
 def keras_hub_model(config, image_size, num_classes, precision):
@@ -98,6 +113,8 @@ class TimmWorker:
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env
         )
         self.parameters = int(self._read())
+        # {"timm": ..., "torch": ...} of the interpreter that runs the worker.
+        self.versions = dict(item.split("=", 1) for item in self._read().split())
 
     def _read(self):
         line = self.process.stdout.readline()
@@ -133,6 +150,7 @@ def _worker_arguments(argv):
 
 
 def timm_worker(argv):
+    import timm
     import torch
     from timm.models.vision_transformer import VisionTransformer
 
@@ -190,6 +208,7 @@ def timm_worker(argv):
         step()
     synchronize()
     print(sum(p.numel() for p in model.parameters()), flush=True)
+    print(f"timm={timm.__version__} torch={torch.__version__}", flush=True)
     for line in sys.stdin:
         steps = int(line)
         start = time.perf_counter()

@@ -1,0 +1,218 @@
+r"""The documentation's performance tables, made from the rows of results/*.jsonl.
+
+    python -m experiments.benchmark.tables          # rewrites the marked regions of the pages
+    python -m experiments.benchmark.tables --check  # exits 1 naming each region that differs
+
+A page marks each table's place with `<!-- results:VIEW -->` ... `<!-- /results -->`; everything between the
+two is generated. A view (`VIEWS`) is the `infer`/`train` rows of one results file, optionally of CPUs with
+a feature; of the rows that measured the same thing (mode, variant, image size, batch, precision, XLA,
+backend) it shows the last one appended, with the date, commit, machine and versions it was measured on,
+and a row marked `stale` says so under the table.
+"""
+
+import argparse
+import dataclasses
+import pathlib
+import re
+import string
+import sys
+
+from experiments.benchmark.results import RESULTS, ROOT, read_rows, write_text
+
+PAGES = ("README.md", "docs/performance.md")
+REGION = re.compile(r"(<!-- results:(?P<view>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+# The peers in the order of their columns, with their names in the headers.
+PEER_LABELS = {"keras_hub": "keras-hub", "timm": "timm (eager)", "timm_compiled": "timm (torch.compile)"}
+# The versions a footnote names, in this order (JAX's CUDA plugins after jaxlib).
+SHOWN_VERSIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-tpu", "jax", "jaxlib", "cuda", "keras", "keras-hub",
+                  "timm", "torch")  # fmt: skip
+DEFAULT_IMAGE_SIZE = 224
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """The rows of `file` (under results/) for `modes`, of machines whose CPU has every feature of `has`
+    and none of `lacks` (`results.CPU_FLAGS`)."""
+
+    file: str
+    has: tuple = ()
+    lacks: tuple = ()
+    modes: tuple = ("infer", "train")
+
+    def select(self, rows):
+        def fits(flags):
+            return all(flag in flags for flag in self.has) and not any(flag in flags for flag in self.lacks)
+
+        return [row for row in rows if row["mode"] in self.modes and fits(row["device"].get("cpu_flags", []))]
+
+
+VIEWS = {
+    "gpu_h200": View("gpu_h200.jsonl"),
+    # A CPU with AMX, where TensorFlow runs oneDNN (bfloat16 matmuls on AMX), and one with AVX2 but no
+    # AVX-512, where TensorFlow leaves oneDNN off.
+    "cpu_amx": View("cpu.jsonl", has=("amx_tile",)),
+    "cpu_avx2": View("cpu.jsonl", has=("avx2",), lacks=("avx512f",)),
+}
+
+
+def measurement_key(row):
+    """What a throughput row measured: rows with the same key measured the same thing."""
+    config = row["config"]
+    return (
+        row["mode"], config["variant"], config["image_size"], config["batch_size"], config["precision"],
+        row.get("xla"), row.get("backend"),
+    )  # fmt: skip
+
+
+def latest(rows):
+    """The last row of each measurement, in the order each measurement first appears."""
+    by_key = {}
+    for row in rows:
+        by_key[measurement_key(row)] = row  # A dict keeps the first position of a key.
+    return list(by_key.values())
+
+
+def images_per_second(value):
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.2f}"
+
+
+def flop_rate(value):
+    return f"{value / 1e12:.0f} TFLOP/s" if value >= 1e13 else f"{value / 1e9:.0f} GFLOP/s"
+
+
+def label(row):
+    config = row["config"]
+    what = "training step (AdamW)" if row["mode"] == "train" else "inference"
+    size = f" at {config['image_size']} px" if config["image_size"] != DEFAULT_IMAGE_SIZE else ""
+    xla = "XLA" if row.get("xla") else "no XLA"
+    return f"{config['variant']} {what}{size}, batch {config['batch_size']}, {config['precision']}, {xla}"
+
+
+def peer_cell(row, peer):
+    ratio = row["ratios"].get(peer)
+    if ratio is None:
+        return "—"
+    name = ratio["against"]
+    form = re.search(r"\((XLA|no XLA)\)$", name)
+    value = images_per_second(row["figures"]["images_per_second"][name])
+    return f"{value} ({form[1]})" if form else value
+
+
+def ratio_cell(row, name):
+    ratio = row["ratios"].get(name)
+    return f"{ratio['ratio']:.2f}x" if ratio else "—"
+
+
+def peak_cell(row):
+    figures = row["figures"]
+    of_peak = figures.get("of_peak", {}).get(figures["ours"])
+    if of_peak is None or "peak_flops_per_second" not in figures:
+        return "—"
+    return f"{100 * of_peak:.1f}% of {flop_rate(figures['peak_flops_per_second'])}"
+
+
+def footnote(row):
+    """Where and with what `row` was measured, and why it is stale if it is (its `note` apart)."""
+    device = row["device"]
+    machine = device["machine"]
+    if device.get("accelerator") == "cpu":
+        machine += f", {device['cpu_cores']} cores" if device.get("cpu_cores") else ""
+        if device.get("cpu_flags"):
+            machine += f" ({', '.join(device['cpu_flags'])})"
+        if "onednn" in device:
+            machine += f", oneDNN {'on' if device['onednn'] else 'off'}"
+    if device.get("gpu_driver"):
+        machine += f", driver {device['gpu_driver']}"
+    versions = row["versions"]
+    names = [name for name in SHOWN_VERSIONS if name in versions]
+    names += sorted(name for name in versions if name.startswith("jax-cuda"))
+    commit = row["commit"][:7] if row.get("commit") else "no commit recorded"
+    if row.get("dirty"):
+        commit += " with local changes"
+    parts = [f"{row['date'][:10]}, commit {commit}", machine, ", ".join(f"{n} {versions[n]}" for n in names)]
+    parts += [f"from {row['source']}"] if row.get("source") else []
+    text = "; ".join(part for part in parts if part) + "."
+    return text + (f" **Stale**: {row['stale']}." if row.get("stale") else "")
+
+
+def table(rows, platform):
+    """The Markdown of a view's rows: one line per measurement, the footnotes under it (where and
+    with what each row was measured, and each row's note)."""
+    rows = latest(rows)
+    if not rows:
+        return "No results yet.\n"
+    peers = [peer for peer in PEER_LABELS if any(peer in row["ratios"] for row in rows)]
+    float32 = any("float32" in row["ratios"] for row in rows)
+    peak = any(peak_cell(row) != "—" for row in rows)
+    header = ["measurement (224 px unless noted)", "keras_vit images/s"]
+    header += [PEER_LABELS[peer] for peer in peers] + [f"ours / {PEER_LABELS[peer]}" for peer in peers]
+    header += ["ours 16-bit / float32"] * float32
+    header += ["MFU" if platform.startswith(("gpu", "tpu")) else "of matmul peak"] * peak
+    header += ["measured"]
+    notes, lines = {}, []
+    for row in rows:
+        letters = [
+            notes.setdefault(text, string.ascii_lowercase[len(notes)])
+            for text in [footnote(row)] + ([row["note"] + "."] if row.get("note") else [])
+        ]
+        figures = row["figures"]
+        cells = [label(row), images_per_second(figures["images_per_second"][figures["ours"]])]
+        cells += [peer_cell(row, peer) for peer in peers] + [ratio_cell(row, peer) for peer in peers]
+        cells += [ratio_cell(row, "float32")] * float32
+        cells += [peak_cell(row)] * peak
+        cells += [f"{row['date'][:10]} [{', '.join(letters)}]"]
+        lines.append(cells)
+    text = "\n".join(
+        "| " + " | ".join(cells) + " |" for cells in [header, ["---"] * len(header), *lines]
+    )
+    text += "\n\n" + "\n".join(f"- [{letter}] {note}" for note, letter in notes.items())
+    return text + "\n\n"
+
+
+def view_text(name, results=RESULTS):
+    """The generated text of the region `<!-- results:name -->`."""
+    if name not in VIEWS:
+        raise ValueError(f"No view named {name!r}; the views: {sorted(VIEWS)}")
+    view = VIEWS[name]
+    path = pathlib.Path(results) / view.file
+    rows = view.select(read_rows(path)) if path.exists() else []
+    return table(rows, name)
+
+
+def render(text, results=RESULTS):
+    """`text` with every marked region replaced by its view's table."""
+    return REGION.sub(lambda m: m[1] + view_text(m["view"], results) + m[4], text)
+
+
+def stale_regions(root=ROOT, results=RESULTS):
+    """[(page, view)] of each region of `PAGES` whose text is not its view's table."""
+    found = []
+    for page in PAGES:
+        text = (pathlib.Path(root) / page).read_text()
+        for match in REGION.finditer(text):
+            if match["body"] != view_text(match["view"], results):
+                found.append((page, match["view"]))
+    return found
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 if a table differs")
+    args = parser.parse_args(argv)
+    if args.check:
+        stale = stale_regions()
+        for page, view in stale:
+            print(f"{page}: the table of results:{view} differs from its rows", file=sys.stderr)
+        return 1 if stale else 0
+    for page in PAGES:
+        path = ROOT / page
+        text = path.read_text()
+        updated = render(text)
+        if updated != text:
+            write_text(path, updated)
+            print(f"Updated {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
