@@ -56,6 +56,28 @@ def test_the_layers_hold_no_backend_or_device_specific_code():
         assert not re.search(forbidden, text), (name, re.search(forbidden, text).group(0))
 
 
+def test_the_kernels_keep_no_module_level_state():
+    """Nothing in `keras_vit.kernels` is remembered between traces: no module holds a mutable
+    container or a function cache; the switches are context variables, set and restored by
+    `portable_ops()` and `fused_attention()`."""
+    import contextvars
+    import importlib
+
+    names = ["keras_vit.kernels", "keras_vit.kernels.policy", "keras_vit.kernels.reference", "keras_vit.kernels.fused"]
+    if keras.backend.backend() == "tensorflow":
+        names += ["keras_vit.kernels.tf_cpu", "keras_vit.kernels.tf_ops"]
+    context_variables = []
+    for name in names:
+        for key, value in vars(importlib.import_module(name)).items():
+            if key.startswith("__"):
+                continue
+            assert not isinstance(value, (set, dict, list, bytearray)), f"{name}.{key}"
+            assert not hasattr(value, "cache_info"), f"{name}.{key} is a cached function"
+            if isinstance(value, contextvars.ContextVar):
+                context_variables.append(f"{name}.{key}")
+    assert context_variables == ["keras_vit.kernels.policy._PORTABLE", "keras_vit.kernels.policy._FUSED_ATTENTION"]
+
+
 # === Reference forms against NumPy ===
 
 

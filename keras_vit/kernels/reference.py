@@ -6,6 +6,7 @@ other form applies and inside `portable_ops()`.
 """
 
 import math
+import types
 
 import keras
 from keras import ops
@@ -30,7 +31,8 @@ def gelu_tanh(x):
     return 0.5 * x * (1.0 + ops.tanh(inner))
 
 
-ACTIVATIONS = {None: lambda x: x, "gelu": gelu, "gelu_tanh": gelu_tanh}
+# Read-only: the kernels keep no module-level state.
+ACTIVATIONS = types.MappingProxyType({None: lambda x: x, "gelu": gelu, "gelu_tanh": gelu_tanh})
 
 
 def dense(x, kernel, bias, activation=None):
