@@ -29,6 +29,11 @@ other import runs between them:
 Every name below is importable from `keras_vit.data`.
 """
 
+from keras_vit.requirements import check_tensorflow
+
+# tf.data is TensorFlow's: without a build installed, say which to install before the first import fails.
+check_tensorflow("keras_vit.data")
+
 from keras_vit.data.augment import (
     center_crop_resize,
     crop_flip_resize,
