@@ -1,46 +1,321 @@
-"""The benchmark command, run as a user runs it."""
+"""The benchmark command, run as a user runs it, its results rows and the tables made of them."""
 
+import datetime
+import importlib
+import importlib.metadata
 import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
-import keras
-import numpy as np
 import pytest
-import tensorflow as tf
+from absl import flags
 
 import keras_vit
+from experiments import peers
+from experiments.benchmark import cli, results, tables
 from keras_vit import compat
-from keras_vit import data as vit_data
 from keras_vit.testing import BATCHED_MATMULS, MATMULS, OTHER_PART, hlo_instructions, step_part
 from tests.conftest import ROOT, run_module
 
+MODULES = ["experiments.benchmark"] + [
+    f"experiments.benchmark.{name}"
+    for name in ("cli", "timing", "throughput", "attention", "profiling", "serving", "inputs", "results", "tables")
+]
+TINY = ["--variant=testing", "--image_size=32", "--batch_size=2", "--repeats=2"]
+
+# Runs several benchmark commands in one process (one Keras import, one TensorFlow start): the flags
+# parsed as `python -m experiments.benchmark ARGS` parses them, then the same `main`. The runs come as
+# JSON in argv[1]; each one's output starts with a line "=== ARGS".
+RUNS = """
+import json, sys
+from absl import flags
+from experiments.benchmark import cli
+
+cli.define_flags()
+for args in json.loads(sys.argv[1]):
+    sys.argv = ["benchmark", *args]
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(sys.argv)
+    print("=== " + " ".join(args), flush=True)
+    cli.main(sys.argv)
+"""
+# The JAX backend with TensorFlow hidden (as on a GPU machine without it): every `import tensorflow`
+# fails. Then `runs` (RUNS's loop, or the command line of `experiments.benchmark`).
+WITHOUT_TENSORFLOW = """
+import runpy, sys
+
+class HideTensorFlow:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "tensorflow":
+            raise ImportError(f"{name} is hidden")
+
+sys.meta_path.insert(0, HideTensorFlow())
+try:
+    if sys.argv[1].startswith("["):
+        exec(RUNS)
+    else:
+        sys.argv = ["benchmark"] + sys.argv[1:]
+        runpy.run_module("experiments.benchmark", run_name="__main__")
+finally:
+    print("TensorFlow imported:", "tensorflow" in sys.modules)
+""".replace("RUNS", repr(RUNS))
+
+
+def run_benchmarks(runs, without_tensorflow=False):
+    """{" ".join(args): its stdout} of each run of `runs` (lists of arguments), all in one process."""
+    script = WITHOUT_TENSORFLOW if without_tensorflow else RUNS
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **({"KERAS_BACKEND": "jax"} if without_tensorflow else {}))
+    result = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(runs)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    parts = re.split(r"^=== (.*)\n", result.stdout, flags=re.M)
+    outputs = dict(zip(parts[1::2], parts[2::2]))
+    assert list(outputs) == [" ".join(args) for args in runs], result.stdout[-3000:]
+    return outputs, result.stdout
+
+
+def seeded_results_file(path):
+    """A results file that already holds a row (the first carried one of results/cpu.jsonl), without its
+    final newline: the runs must append after it and keep it."""
+    first = (ROOT / "results" / "cpu.jsonl").read_text().splitlines()[0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(first)
+    return path, json.loads(first)
+
+
+# === Importing, flags, peers ===
+
+
+def test_importing_the_benchmark_defines_no_flag_and_imports_no_keras():
+    for module in MODULES:
+        importlib.import_module(module)
+    # No flag of absl's global registry comes from the benchmark (whichever modules this session imported).
+    defined = {name: flags.FLAGS.find_module_defining_flag(name, "") for name in flags.FLAGS}
+    assert not [name for name, module in defined.items() if module.startswith("experiments.benchmark")]
+    names = cli.define_flags(flags.FlagValues())  # A registry of its own: the global one stays as it is.
+    assert {"mode", "variant", "compare", "results_file", "timm_python"} <= set(names)
+    # The package itself, as `python -m experiments.benchmark.tables` and the command line start.
+    code = (
+        "import json, sys, experiments.benchmark.cli, experiments.benchmark.tables\n"
+        "print(json.dumps([*sys.modules]))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    imported = {name.split(".")[0] for name in json.loads(result.stdout)}
+    assert "experiments" in imported and not imported & {"keras", "keras_vit", "tensorflow", "jax"}
+
+
+def test_flag_choices_are_the_library_s():
+    assert cli.JIT_COMPILE == keras_vit.training.JIT_COMPILE
+    assert set(cli.MODE_FLAGS) == set(cli.MODES)
+    names = set(cli.define_flags(flags.FlagValues()))
+    assert all(set(config) <= names for config in cli.MODE_FLAGS.values())
+
+
+def test_benchmark_modes_that_need_tensorflow_say_so():
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TENSORFLOW, "--variant=testing", "--mode=profile"],
+        cwd=ROOT, env=dict(os.environ, KERAS_BACKEND="jax"), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "--mode=profile needs TensorFlow; without it --mode=infer, train and attention run." in result.stderr
+
+
+def test_benchmark_rejects_unknown_peers_and_names_the_missing_extra():
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.benchmark", "--variant=testing", "--compare=vit_keras"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "--compare takes a subset of ['keras_hub', 'timm', 'timm_compiled']" in result.stderr
+    for peer, (module, package) in peers.PEERS.items():
+        if importlib.util.find_spec(module) is None:  # The test extra leaves the peers out.
+            with pytest.raises(SystemExit, match=rf"{package} is not installed.*\"\.\[bench\]\""):
+                peers.check_compare([peer])
+    # timm in another interpreter (--timm_python) is that interpreter's to find.
+    peers.check_compare(["timm", "timm_compiled"], timm_python="/another/python")
+
+
+# === Results rows and tables ===
+
+
+def test_append_row_keeps_the_rows_before_it(tmp_path):
+    path, first = seeded_results_file(tmp_path / "results" / "cpu.jsonl")
+    os.chmod(path, 0o664)
+    second = {**first, "date": "2027-01-01", "figures": {**first["figures"], "ours": "keras_vit (XLA)"}}
+    results.append_row(path, second)
+    results.append_row(path, first)
+    assert results.read_rows(path) == [first, second, first]
+    assert oct(os.stat(path).st_mode & 0o777) == oct(0o664)
+    assert os.listdir(path.parent) == ["cpu.jsonl"]  # No temporary file left.
+    path.write_text(path.read_text() + '{"schema": 1}\n')
+    with pytest.raises(ValueError, match=r"cpu.jsonl:4: a row without \['date'"):
+        results.read_rows(path)
+
+
+def result_files():
+    return sorted((ROOT / "results").glob("*.jsonl"))
+
+
+def test_results_files_hold_well_formed_consistent_rows():
+    """Each row of results/: its fields, and its ratios and fractions of the peak agree with its figures."""
+    assert {path.name for path in result_files()} >= {"cpu.jsonl", "gpu_h200.jsonl"}
+    for path in result_files():
+        rows = results.read_rows(path)
+        assert rows, path
+        for row in rows:
+            assert row["schema"] == results.SCHEMA
+            datetime.date.fromisoformat(row["date"][:10])
+            assert re.fullmatch(r"[0-9a-f]{40}", row["commit"] or "0" * 40), row["commit"]
+            assert row["command"].startswith("python -m experiments.benchmark --mode=" + row["mode"])
+            assert "keras" in row["versions"] or "tensorflow" in row["versions"]
+            assert row["device"]["machine"] and row["device"]["accelerator"] in ("cpu", "gpu", "tpu")
+            assert set(row) <= set(results.FIELDS) | {"backend", "xla", "dirty", "stale", "note", "source"}
+            if row["mode"] not in ("infer", "train"):
+                continue
+            figures = row["figures"]
+            ours = figures["images_per_second"][figures["ours"]]
+            for name, ratio in row["ratios"].items():
+                if ratio["against"] in figures["images_per_second"]:
+                    expected = ours / figures["images_per_second"][ratio["against"]]
+                    assert ratio["ratio"] == pytest.approx(expected, abs=0.006), (path.name, name, row["config"])
+            if "of_peak" in figures:
+                config = row["config"]
+                flops = keras_vit.flops.count_flops(
+                    config["variant"], image_size=config["image_size"], training=row["mode"] == "train"
+                )
+                expected = ours * flops / figures["peak_flops_per_second"]
+                assert figures["of_peak"][figures["ours"]] == pytest.approx(expected, rel=0.02), row["config"]
+
+
+def test_tables_are_views_of_the_results_rows():
+    """Every marked table of README.md and docs/performance.md is what its rows make it; every view is
+    shown; `python -m experiments.benchmark.tables --check` agrees."""
+    assert tables.stale_regions() == [], "run: python -m experiments.benchmark.tables"
+    shown = {page: re.findall(r"<!-- results:([\w-]+) -->", (ROOT / page).read_text()) for page in tables.PAGES}
+    assert set(shown["README.md"]) == {"gpu_h200", "cpu_amx"}
+    assert set(sum(shown.values(), [])) == set(tables.VIEWS)
+    assert tables.main(["--check"]) == 0
+
+
+def test_a_table_that_disagrees_with_its_rows_is_found(tmp_path):
+    changed = tmp_path / "results"
+    shutil.copytree(ROOT / "results", changed)
+    rows = (changed / "gpu_h200.jsonl").read_text().replace('"keras_vit (XLA)": 5067', '"keras_vit (XLA)": 5068')
+    (changed / "gpu_h200.jsonl").write_text(rows)
+    expected = {("README.md", "gpu_h200"), ("docs/performance.md", "gpu_h200")}
+    assert set(tables.stale_regions(results=changed)) == expected
+
+
+def test_tables_show_the_latest_row_of_a_measurement_and_what_is_stale():
+    rows = [row for row in results.read_rows(ROOT / "results" / "gpu_h200.jsonl") if row["mode"] == "train"]
+    old, newer = rows[0], json.loads(json.dumps(rows[0]))
+    newer.update(date="2027-01-02T03:04:05+00:00", commit="f" * 40, dirty=True)
+    del newer["stale"], newer["source"]
+    newer["figures"]["images_per_second"]["keras_vit (XLA)"] = 2500
+    text = tables.table([old, newer, rows[1]], "gpu_h200")
+    lines = text.splitlines()
+    assert lines[0].startswith("| measurement (224 px unless noted) | keras_vit images/s | keras-hub | timm (eager) |")
+    assert "| MFU | measured |" in lines[0]
+    assert len([line for line in lines if line.startswith("| B/16 training step (AdamW), batch 64,")]) == 1
+    assert "| B/16 training step (AdamW), batch 64, mixed_bfloat16, XLA | 2,500 | 1,991 (XLA) |" in text
+    assert "| 2027-01-02 [a] |" in text and "| 2026-11-30 [b, c] |" in text  # The S/16 row has a note.
+    assert "- [a] 2027-01-02, commit fffffff with local changes; 1 x NVIDIA H200, driver 580.159.04;" in text
+    assert re.search(r"- \[b\] 2026-11-30, commit d269e86; .*\*\*Stale\*\*: measured before the padded cuDNN", text)
+    assert "- [c] float32: JAX ran our matmuls in TF32" in text
+
+
+# === The modes, run ===
+
+
+@pytest.fixture(scope="module")
+def tensorflow_runs(tmp_path_factory):
+    """Every TensorFlow mode but train_profile on the testing variant, one after the other in one
+    process, each appending its row to a results file that held one row: (outputs, rows, first row)."""
+    path, first = seeded_results_file(tmp_path_factory.mktemp("results") / "cpu.jsonl")
+    runs = [
+        [f"--mode={mode}", *TINY, *(["--steps=2"] if mode in ("infer", "train") else []), f"--results_file={path}"]
+        for mode in ("infer", "train", "attention", "patch_projection", "profile", "serving")
+    ]
+    outputs, _ = run_benchmarks(runs)
+    return {args[0].removeprefix("--mode="): outputs[" ".join(args)] for args in runs}, results.read_rows(path), first
+
 
 @pytest.mark.slow
-def test_benchmark_runs():
-    args = ["--variant=testing", "--image_size=32", "--batch_size=2", "--repeats=2"]
-    stdout = run_module("experiments.benchmark", "--mode=patch_projection", *args)
-    assert "conv is" in stdout and "images/s" in stdout
-    stdout = run_module("experiments.benchmark", "--mode=profile", *args)
+def test_benchmark_runs(tensorflow_runs):
+    outputs, _, _ = tensorflow_runs
+    assert "conv is" in outputs["patch_projection"] and "images/s" in outputs["patch_projection"]
     # The dense layers' matmuls with their bias, fused by TensorFlow's graph optimiser: oneDNN's op
     # where TensorFlow is built with it, else Eigen's.
     fused_matmul = "_MklNativeFusedMatMul" if compat.onednn_enabled() else "_FusedMatMul"
-    assert re.search(rf"{fused_matmul}\s+[\d.]+ ms", stdout), stdout
-    stdout = run_module("experiments.benchmark", "--mode=serving", *args)
+    assert re.search(rf"{fused_matmul}\s+[\d.]+ ms", outputs["profile"]), outputs["profile"]
     for name in ("saved_model", "tflite float32", "tflite float16", "tflite dynamic", "tflite int8"):
-        assert name in stdout
+        assert name in outputs["serving"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_throughput_benchmark_runs(tensorflow_runs, mode):
+    """The infer/train benchmark on the testing variant: that it works and reports, not how fast."""
+    outputs, rows, _ = tensorflow_runs
+    stdout = outputs[mode]
+    flops = keras_vit.flops.count_flops("testing", image_size=32, training=mode == "train")
+    assert f"Model FLOPs per image: {flops / 1e9:.6f} G" in stdout
+    row = re.search(r"(keras_vit \((?:no )?XLA\))\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+1\.00x", stdout)
+    assert row, stdout
+    assert int(row[2].replace(",", "")) == keras_vit.build_vit("testing", image_size=32).count_params()
+    images_per_second, gflops = float(row[3]), float(row[4])
+    assert images_per_second > 0 and gflops == pytest.approx(images_per_second * flops / 1e9, rel=0.01, abs=0.06)
+    peak = re.search(r"roofline (\d+) GFLOP/s", stdout)
+    assert peak and int(peak[1]) > 0, stdout
+    # Its results row holds the same figures.
+    (result,) = [r for r in rows if r["mode"] == mode and r["figures"].get("model_flops_per_image")]
+    figures = result["figures"]
+    assert figures["ours"] == row[1] and result["xla"] == (row[1] == "keras_vit (XLA)")
+    assert f"{figures['images_per_second'][row[1]]:.2f}" == row[3]
+    assert f"{100 * figures['of_peak'][row[1]]:.1f}" == row[5]
+    assert figures["params"][row[1]] == int(row[2].replace(",", ""))
+    assert f"{figures['peak_flops_per_second'] / 1e9:.0f}" == peak[1]
+    assert figures["model_flops_per_image"] == flops
+    # The table made of it shows them.
+    line = tables.table([result], "cpu").splitlines()[2]
+    assert line.startswith(f"| testing {'training step (AdamW)' if mode == 'train' else 'inference'} at 32 px, batch 2")
+    assert f"| {row[3]} |" in line and f"| {row[5]}% of {peak[1]} GFLOP/s |" in line
+
+
+@pytest.mark.slow
+def test_benchmark_appends_a_well_formed_row_per_run(tensorflow_runs):
+    outputs, rows, first = tensorflow_runs
+    assert rows[0] == first  # The row that was there, kept.
+    assert [row["mode"] for row in rows[1:]] == list(outputs)
+    for row in rows[1:]:
+        assert row["command"].startswith(f"python -m experiments.benchmark --mode={row['mode']} --variant=testing")
+        assert row["config"]["variant"] == "testing" and row["config"]["repeats"] == 2
+        # The checkout's commit then: HEAD now, or one before it.
+        ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", row["commit"], "HEAD"], cwd=ROOT)
+        assert re.fullmatch(r"[0-9a-f]{40}", row["commit"]) and ancestor.returncode == 0, row["commit"]
+        assert isinstance(row["dirty"], bool)
+        assert row["backend"] == "tensorflow" and row["versions"]["keras"] == importlib.metadata.version("keras")
+        assert row["device"]["accelerator"] == "cpu" and row["device"]["cpu_cores"] == os.cpu_count()
+        assert row["device"]["onednn"] == compat.onednn_enabled()
+        assert datetime.datetime.fromisoformat(row["date"]).tzinfo is not None
+    printed = re.search(r"of the logits: (\S+)", outputs["attention"])[1]
+    assert f"{rows[3]['figures']['max_abs_difference']:.3g}" == printed
+    assert set(rows[6]["figures"]["bytes"]) == {"keras (.keras)", "saved_model"} | {
+        f"tflite {name}" for name in ("float32", "float16", "dynamic", "int8")
+    }
 
 
 @pytest.mark.slow
 def test_train_profile_splits_the_compiled_step_into_matmuls_and_layers():
     """That it works and accounts for the step, not how fast."""
-    stdout = run_module(
-        "experiments.benchmark", "--mode=train_profile", "--variant=testing", "--image_size=32",
-        "--batch_size=2", "--repeats=2",
-    )  # fmt: skip
+    stdout = run_module("experiments.benchmark", "--mode=train_profile", *TINY)
     row = r"^  (\S.*?)\s+[\d.]+ ms\s+([\d.]+)%$"
     shares = {name.strip(): float(share) for name, share in re.findall(row, stdout, re.M)}
     # Every part of the step had ops that the profiler timed, and the parts add up.
@@ -58,8 +333,73 @@ def test_train_profile_splits_the_compiled_step_into_matmuls_and_layers():
     assert len(re.findall(r"^At the matmul (no XLA|XLA) peak", stdout, re.M)) == 2, stdout
 
 
+def _fused_explicit_difference(stdout):
+    found = re.search(r"Largest \|fused - explicit\| of the logits: (\S+) \(largest \|logit\| (\S+)\)", stdout)
+    assert found and re.search(r"fused / explicit speed: [\d.]+x", stdout), stdout
+    return float(found[1]), float(found[2])
+
+
+@pytest.mark.slow
+def test_attention_benchmark_runs(tensorflow_runs):
+    outputs, _, _ = tensorflow_runs
+    difference, largest = _fused_explicit_difference(outputs["attention"])
+    assert largest > 0 and difference <= 1e-5 * max(1.0, largest)
+
+
+@pytest.fixture(scope="module")
+def jax_runs(tmp_path_factory):
+    """infer, train and attention on JAX with TensorFlow hidden, in one process; attention appends its
+    row to a results file: (outputs by mode, whole stdout, rows)."""
+    path = tmp_path_factory.mktemp("jax_results") / "cpu.jsonl"
+    runs = [
+        [f"--mode={mode}", *TINY, "--steps=2", *([f"--results_file={path}"] if mode == "attention" else [])]
+        for mode in ("infer", "train", "attention")
+    ]
+    outputs, stdout = run_benchmarks(runs, without_tensorflow=True)
+    return {args[0].removeprefix("--mode="): outputs[" ".join(args)] for args in runs}, stdout, results.read_rows(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["infer", "train", "attention"])
+def test_benchmark_on_jax_without_tensorflow(jax_runs, mode):
+    """The model, `predict`/`fit` and the benchmark run on JAX with no TensorFlow importable; the
+    attention as `jax.nn.dot_product_attention` (JAX's own formulation) matches the explicit form."""
+    outputs, stdout, rows = jax_runs
+    assert "backend jax" in outputs[mode] and "TensorFlow imported: False" in stdout, stdout
+    if mode == "attention":
+        difference, largest = _fused_explicit_difference(outputs[mode])
+        assert largest > 0 and difference <= 1e-5 * max(1.0, largest)
+        # The backward pass too: training-mode weight gradients of both forms.
+        gradients = re.search(r"largest \|explicit\| of a weight: ([\d.e+-]+)", outputs[mode])
+        assert gradients and float(gradients.group(1)) <= 1e-4, outputs[mode]
+        # Its row, written without TensorFlow.
+        (row,) = rows
+        assert row["backend"] == "jax" and row["xla"] is True and "onednn" not in row["device"]
+        assert f"{row['figures']['gradient_relative_difference']:.3g}" == gradients.group(1)
+        assert row["figures"]["cudnn_attention"] == {f: False for f in ("fused", "explicit", "fused training",
+                                                                       "explicit training")}  # fmt: skip
+    else:
+        assert re.search(r"keras_vit \(XLA\)\s+[\d,]+\s+[\d.]+", outputs[mode]), outputs[mode]
+
+
+@pytest.mark.slow
+def test_benchmark_measures_timm_eager_and_compiled_where_installed():
+    """Both timm peers (the bench extra) run beside ours and get their rows and ratios."""
+    pytest.importorskip("timm")
+    stdout = run_module(
+        "experiments.benchmark", "--mode=train", "--variant=testing", "--image_size=32", "--batch_size=4",
+        "--steps=1", "--repeats=1", "--compare=timm,timm_compiled",
+    )  # fmt: skip
+    assert re.search(r"timm \(PyTorch eager, cpu\) +19,470 +[0-9.]+", stdout), stdout
+    assert re.search(r"timm \(torch.compile, cpu\) +19,470 +[0-9.]+", stdout), stdout
+    assert "keras_vit / timm: " in stdout and "keras_vit / timm_compiled: " in stdout
+
+
+# === Helpers of the benchmark ===
+
+
 def test_hlo_instructions_finds_matmuls_through_fusions():
-    # One instruction per line, as XLA prints them.
+    # One instruction per line, as XLA prints them (a line ending in a backslash goes on in the next).
     hlo = """HloModule step, entry_computation_layout={()->f32[2,2]{1,0}}
 
 %fused_dot (p0: f32[2,2], p1: f32[2,2]) -> f32[2,2] {
@@ -75,7 +415,8 @@ def test_hlo_instructions_finds_matmuls_through_fusions():
 
 %fused_logits (s0: f32[3,2,2]) -> f32[3,2,2] {
   %s0 = f32[3,2,2]{2,1,0} parameter(0)
-  ROOT %b = f32[3,2,2]{2,1,0} dot(%s0, %s0), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+  ROOT %b = f32[3,2,2]{2,1,0} dot(%s0, %s0), lhs_batch_dims={0}, lhs_contracting_dims={2}, \
+rhs_batch_dims={0}, rhs_contracting_dims={1}
 }
 
 %fused_add (r0: f32[2,2]) -> f32[2,2] {
@@ -85,11 +426,14 @@ def test_hlo_instructions_finds_matmuls_through_fusions():
 
 ENTRY %main (x: f32[2,2]) -> f32[2,2] {
   %x = f32[2,2]{1,0} parameter(0)
-  %MatMul.3 = f32[2,2]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_type="MatMul" op_name="block/mlp/MatMul"}
-  %add_fusion.1 = f32[2,2]{1,0} fusion(%MatMul.3), kind=kLoop, calls=%fused_add, metadata={op_type="AddV2" op_name="block/attention_norm/add"}
+  %MatMul.3 = f32[2,2]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}, \
+metadata={op_type="MatMul" op_name="block/mlp/MatMul"}
+  %add_fusion.1 = f32[2,2]{1,0} fusion(%MatMul.3), kind=kLoop, calls=%fused_add, \
+metadata={op_type="AddV2" op_name="block/attention_norm/add"}
   %call.2 = f32[2,2]{1,0} call(%add_fusion.1), to_apply=%outer
   %y = f32[3,2,2]{2,1,0} broadcast(%x), dimensions={1,2}
-  %logits = f32[3,2,2]{2,1,0} dot(%y, %y), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}, metadata={op_type="BatchMatMulV2" op_name="block/attention/MatMul"}
+  %logits = f32[3,2,2]{2,1,0} dot(%y, %y), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, \
+rhs_contracting_dims={1}, metadata={op_type="BatchMatMulV2" op_name="block/attention/MatMul"}
   %batched_fusion = f32[3,2,2]{2,1,0} fusion(%logits), kind=kOutput, calls=%fused_logits
   %onednn = f32[2,2]{1,0} custom-call(%x, %x), custom_call_target="__onednn$matmul"
   %branch = f32[2,2]{1,0} conditional(%x), branch_computations={%fused_add, %fused_dot}
@@ -117,122 +461,3 @@ def test_step_parts_count_a_layer_norms_matmuls_as_the_norm():
     assert step_part("", "vit/encoderblock_0/mlp_norm/Rsqrt") == "layer norms"
     assert step_part("", "vit/encoderblock_0/add_1").startswith("blocks:")
     assert step_part("", "SparseSoftmaxCrossEntropyWithLogits") == OTHER_PART
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["infer", "train"])
-def test_throughput_benchmark_runs(mode):
-    """The infer/train benchmark on the testing variant: that it works and reports, not how fast."""
-    stdout = run_module(
-        "experiments.benchmark", f"--mode={mode}", "--variant=testing", "--image_size=32",
-        "--batch_size=2", "--repeats=2", "--steps=2",
-    )  # fmt: skip
-    flops = keras_vit.flops.count_flops("testing", image_size=32, training=mode == "train")
-    assert f"Model FLOPs per image: {flops / 1e9:.6f} G" in stdout
-    row = re.search(r"keras_vit \((?:no )?XLA\)\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%\s+1\.00x", stdout)
-    assert row, stdout
-    assert int(row[1].replace(",", "")) == keras_vit.build_vit("testing", image_size=32).count_params()
-    images_per_second, gflops = float(row[2]), float(row[3])
-    assert images_per_second > 0 and gflops == pytest.approx(images_per_second * flops / 1e9, rel=0.01, abs=0.06)
-    peak = re.search(r"roofline (\d+) GFLOP/s", stdout)
-    assert peak and int(peak[1]) > 0, stdout
-
-
-def _fused_explicit_difference(stdout):
-    found = re.search(r"Largest \|fused - explicit\| of the logits: (\S+) \(largest \|logit\| (\S+)\)", stdout)
-    assert found and re.search(r"fused / explicit speed: [\d.]+x", stdout), stdout
-    return float(found[1]), float(found[2])
-
-
-@pytest.mark.slow
-def test_attention_benchmark_runs():
-    stdout = run_module(
-        "experiments.benchmark", "--mode=attention", "--variant=testing", "--image_size=32",
-        "--batch_size=2", "--repeats=2",
-    )  # fmt: skip
-    difference, largest = _fused_explicit_difference(stdout)
-    assert largest > 0 and difference <= 1e-5 * max(1.0, largest)
-
-
-# The JAX backend with TensorFlow hidden (as on a GPU machine without it): every
-# `import tensorflow` fails.
-WITHOUT_TENSORFLOW = """
-import runpy, sys
-
-class HideTensorFlow:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "tensorflow":
-            raise ImportError(f"{name} is hidden")
-
-sys.meta_path.insert(0, HideTensorFlow())
-sys.argv = ["benchmark"] + sys.argv[1:]
-try:
-    runpy.run_module("experiments.benchmark", run_name="__main__")
-finally:
-    print("TensorFlow imported:", "tensorflow" in sys.modules)
-"""
-
-
-def run_benchmark_without_tensorflow(*args):
-    return subprocess.run(
-        [sys.executable, "-c", WITHOUT_TENSORFLOW, "--variant=testing", *args],
-        cwd=ROOT, env=dict(os.environ, KERAS_BACKEND="jax"), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["infer", "train", "attention"])
-def test_benchmark_on_jax_without_tensorflow(mode):
-    """The model, `predict`/`fit` and the benchmark run on JAX with no TensorFlow importable; the
-    attention as `jax.nn.dot_product_attention` (JAX's own formulation) matches the explicit form."""
-    result = run_benchmark_without_tensorflow(
-        f"--mode={mode}", "--image_size=32", "--batch_size=2", "--repeats=2", "--steps=2"
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "backend jax" in result.stdout and "TensorFlow imported: False" in result.stdout, result.stdout
-    if mode == "attention":
-        difference, largest = _fused_explicit_difference(result.stdout)
-        assert largest > 0 and difference <= 1e-5 * max(1.0, largest)
-        # The backward pass too: training-mode weight gradients of both forms.
-        gradients = re.search(r"largest \|explicit\| of a weight: ([\d.e+-]+)", result.stdout)
-        assert gradients and float(gradients.group(1)) <= 1e-4, result.stdout
-    else:
-        assert re.search(r"keras_vit \(XLA\)\s+[\d,]+\s+[\d.]+", result.stdout), result.stdout
-
-
-def test_benchmark_modes_that_need_tensorflow_say_so():
-    result = run_benchmark_without_tensorflow("--mode=profile")
-    assert result.returncode != 0
-    assert "--mode=profile needs TensorFlow; without it --mode=infer, train and attention run." in result.stderr
-
-
-def test_benchmark_rejects_unknown_peers_and_names_the_missing_extra():
-    def run(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "experiments.benchmark", "--variant=testing", "--image_size=32", *args],
-            cwd=ROOT, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-
-    result = run("--compare=vit_keras")
-    assert result.returncode != 0
-    assert "--compare takes a subset of ['keras_hub', 'timm', 'timm_compiled']" in result.stderr
-    for peer, module, package in (
-        ("keras_hub", "keras_hub", "keras-hub"), ("timm", "timm", "timm"), ("timm_compiled", "timm", "timm")
-    ):  # fmt: skip
-        if importlib.util.find_spec(module) is None:  # The test extra leaves the peers out.
-            result = run(f"--compare={peer}")
-            assert result.returncode != 0
-            assert f"{package} is not installed" in result.stderr and '".[bench]"' in result.stderr
-
-
-@pytest.mark.slow
-def test_benchmark_measures_timm_eager_and_compiled_where_installed():
-    """Both timm peers (the bench extra) run beside ours and get their rows and ratios."""
-    pytest.importorskip("timm")
-    stdout = run_module(
-        "experiments.benchmark", "--mode=train", "--variant=testing", "--image_size=32", "--batch_size=4",
-        "--steps=1", "--repeats=1", "--compare=timm,timm_compiled",
-    )  # fmt: skip
-    assert re.search(r"timm \(PyTorch eager, cpu\) +19,470 +[0-9.]+", stdout), stdout
-    assert re.search(r"timm \(torch.compile, cpu\) +19,470 +[0-9.]+", stdout), stdout
-    assert "keras_vit / timm: " in stdout and "keras_vit / timm_compiled: " in stdout
