@@ -22,22 +22,22 @@ JOB_FLAGS = {
     "export": ["calibration_images", "class_names", "format", "model", "out", "overwrite", "quantize"],
     "visualize": ["image", "model", "out"],
 }
-# Imported with the jobs: another command of experiments/, with flags of its own.
-OTHER_COMMANDS = []
-
 IMPORT_SCRIPT = """
-import contextlib, importlib, io, json, re, sys
+import contextlib, importlib, io, json, pkgutil, re, sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 import keras, tensorflow, keras_vit
 app.define_help_flags()  # What app.run defines on its first call: --help and its kin.
 before = set(flags.FLAGS)
-modules = {name: importlib.import_module("experiments." + name) for name in sys.argv[1:]}
-seen = {"defined_on_import": sorted(set(flags.FLAGS) - before), "help": {}}
+import experiments
+modules = {
+    info.name: importlib.import_module(info.name)
+    for info in pkgutil.walk_packages(experiments.__path__, "experiments.")
+}
+seen = {"imported": sorted(modules), "defined_on_import": sorted(set(flags.FLAGS) - before), "help": {}}
 from experiments import common
-for name, module in modules.items():
-    if not hasattr(module, "define_flags"):
-        continue
+for name in sys.argv[1:]:
+    module = modules["experiments." + name]
     # The job's command line, as `python -m experiments.NAME --help` runs it: run_job defines the flags.
     sys.argv = [f"{name}.py", "--help"]
     out = io.StringIO()
@@ -51,18 +51,20 @@ print(json.dumps(seen))
 
 
 def test_the_jobs_import_together_and_define_no_flag():
-    """Every job of experiments/ imported in one process, as a library: nothing defined, nothing started
-    (two jobs' flags of one name would otherwise clash: DuplicateFlagError). Each job's flags are defined
-    when its command line runs (`common.run_job`), and its --help lists them."""
-    jobs = [*JOB_FLAGS, *OTHER_COMMANDS]
+    """Every module of experiments/ (the jobs, the benchmark's modes, the configs) imported in one process,
+    as libraries: no flag defined, nothing started (two jobs' flags of one name would otherwise clash:
+    DuplicateFlagError). Each job's flags are defined when its command line runs (`common.run_job`), and
+    its --help lists them."""
     result = subprocess.run(
-        [sys.executable, "-c", IMPORT_SCRIPT, *jobs], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", IMPORT_SCRIPT, *JOB_FLAGS], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
+    expected = {f"experiments.{name}" for name in [*JOB_FLAGS, "common", "benchmark", "benchmark.cli", "configs"]}
+    assert expected <= set(seen["imported"]), seen["imported"]
     assert seen["defined_on_import"] == []
-    assert {name: seen["help"][name] for name in JOB_FLAGS} == JOB_FLAGS
+    assert seen["help"] == JOB_FLAGS
 
 
 def test_common_examples():
