@@ -6,7 +6,7 @@ Layer names are stable; the checkpoint converters map onto them:
 |---|---|---|
 | `rescaling` (if `include_rescaling`) | none | pixels / 127.5 - 1 |
 | `resnet` (hybrids only) | see `keras_vit.resnet` | `conv_root`, `gn_root`, `block{s}/unit{u}/*` |
-| `patch_encoder` | `kernel`, `bias`, `class_token`, `position_embedding` (if learned) | `embedding/*`, `cls`, `Transformer/posembed_input/pos_embedding` |
+| `patch_encoder` | `kernel`, `bias`, `class_token`, `position_embedding` (learned) | `embedding/*`, `cls`, posembed |
 | `embedding_dropout` | none | dropout after the position embeddings |
 | `pre_norm` (if `pre_norm`) | `gamma`, `beta` | `pre_norm/{scale,bias}` (timm's `norm_pre`) |
 | `encoderblock_{i}` (i = 0 .. L-1) | see `TransformerBlock` | `Transformer/encoderblock_{i}/*` |
@@ -15,6 +15,8 @@ Layer names are stable; the checkpoint converters map onto them:
 | `pooled_norm` (if `pooled_norm`) | `gamma`, `beta` | `pooled_norm/{scale,bias}` (timm's `fc_norm`) |
 | `pre_logits` (if `representation_size`) | `kernel`, `bias` | `pre_logits/*` |
 | `head` (if `num_classes`) | `kernel`, `bias` | `head/*` |
+
+`posembed` stands for `Transformer/posembed_input/pos_embedding`.
 
 Inside `encoderblock_{i}`: `attention_norm` (LayerNorm_0), `attention`
 (MultiHeadDotProductAttention_1; `qkv_kernel` (D, 3, D) is the query, key and

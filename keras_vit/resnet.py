@@ -15,7 +15,6 @@ Sublayer names follow the original checkpoint: `conv_root`, `gn_root`, then
 import keras
 from keras import ops
 
-
 GROUPS = 32
 GROUP_NORM_EPSILON = 1e-6
 WEIGHT_STANDARDIZATION_EPSILON = 1e-5

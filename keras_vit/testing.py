@@ -146,10 +146,11 @@ def hlo_instructions(hlo):
             continue
         rest = instruction.group(2)
         if rest.startswith("("):  # A tuple type: skip to its closing parenthesis.
-            depth = 0
-            for end, char in enumerate(rest):
+            depth, end = 0, len(rest) - 1
+            for index, char in enumerate(rest):
                 depth += {"(": 1, ")": -1}.get(char, 0)
                 if depth == 0:
+                    end = index
                     break
             rest = rest[end + 1 :].lstrip()
         else:

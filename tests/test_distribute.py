@@ -126,7 +126,7 @@ def test_jit_compile_auto_follows_the_strategy(monkeypatch):
     from keras_vit.training import resolve_jit_compile
 
     for onednn in (False, True):
-        monkeypatch.setattr(compat, "onednn_enabled", lambda: onednn)
+        monkeypatch.setattr(compat, "onednn_enabled", lambda onednn=onednn: onednn)
         with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
             assert resolve_jit_compile("auto") is False
             assert resolve_jit_compile("on") is True  # An explicit choice stands.
@@ -158,8 +158,6 @@ def test_a_model_traced_on_the_cpu_first_gets_no_cpu_forms_under_a_gpu_strategy(
     OneDeviceStrategy over a GPU (built here without one: tracing places nothing): the second
     trace carries none of the CPU forms, whatever the first did."""
     import tensorflow as tf
-
-    import keras_vit
 
     model = keras_vit.build_vit("testing", image_size=16, num_classes=5, num_layers=1, classifier="token")
     images = np.random.default_rng(0).integers(0, 256, (4, 16, 16, 3)).astype("float32")
