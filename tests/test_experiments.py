@@ -211,14 +211,14 @@ def test_a_killed_run_resumes_from_its_backup(tmp_path):
     import signal
     import time
 
-    args = [sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}", "--config.epochs=6",
+    args = [sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}", "--config.epochs=4",
             "--config.visualize=False", "--config.model.num_layers=1"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     for line in process.stdout:
         seen.append(line)
-        if line.startswith("Epoch 4/6"):  # epochs 1-3 are backed up; kill inside epoch 4
+        if line.startswith("Epoch 3/4"):  # epochs 1-2 are backed up; kill inside epoch 3
             time.sleep(0.5)
             process.send_signal(signal.SIGKILL)
             break
@@ -229,12 +229,12 @@ def test_a_killed_run_resumes_from_its_backup(tmp_path):
     stdout = run_module("experiments.train", *args[3:])
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     steps_per_epoch = 1437 // 64
-    assert metrics["steps"] == 6 * steps_per_epoch  # the same as an uninterrupted run
+    assert metrics["steps"] == 4 * steps_per_epoch  # the same as an uninterrupted run
     history = json.loads((tmp_path / "history.json").read_text())
-    assert len(history["loss"]) == 3  # only epochs 4-6 ran again
-    assert "Epoch 1/6" not in stdout
+    assert len(history["loss"]) == 2  # only epochs 3-4 ran again
+    assert "Epoch 1/4" not in stdout
     log = (tmp_path / "log.csv").read_text().strip().splitlines()
-    assert [row.split(",")[0] for row in log[1:]][-3:] == ["3", "4", "5"]
+    assert [row.split(",")[0] for row in log[1:]] == ["0", "1", "2", "3"]  # epoch 3 once, from the resumed run
     assert not (tmp_path / "backup").exists()
 
 
@@ -253,52 +253,69 @@ class ReplicasInSync(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         gaps = [float(np.max(np.abs(v.value.values[0].numpy() - v.value.values[-1].numpy())))
                 for v in self.model.weights if hasattr(v.value, "values")]
-        print("SYNC " + json.dumps({"jit_compile": self.model.jit_compile, "mirrored": len(gaps),
-                                    "weights": len(self.model.weights), "largest_gap": max(gaps, default=0.0)}))
+        self.seen = {"jit_compile": self.model.jit_compile, "mirrored": len(gaps),
+                     "weights": len(self.model.weights), "largest_gap": max(gaps, default=0.0)}
 
-config = digits.get_config()
-config.epochs, config.visualize = int(sys.argv[3]), False
-if sys.argv[4] == "compare":
-    config.max_shift = 0
-    config.model.dropout_rate = config.model.stochastic_depth_rate = 0.0  # no per-replica randomness
-    config.grad_clip_norm = 0.05
-strategy = get_strategy(sys.argv[1])
-train.train_and_evaluate(config, sys.argv[2], strategy, callbacks=[ReplicasInSync()])
-print(json.dumps({"replicas": strategy.num_replicas_in_sync}))
+# One run per (label, strategy, epochs, mode), one after the other in this process; the runs of one kind
+# share the strategy (two MirroredStrategy objects in one process would reuse each other's collective keys).
+strategies = {}
+for label, name, epochs, mode in json.loads(sys.argv[2]):
+    config = digits.get_config()
+    config.epochs, config.visualize = epochs, False
+    if mode == "compare":
+        config.max_shift = 0
+        config.model.dropout_rate = config.model.stochastic_depth_rate = 0.0  # no per-replica randomness
+        config.model.num_layers = 1
+        config.grad_clip_norm = 0.05
+    if name not in strategies:
+        strategies[name] = get_strategy(name)
+    strategy = strategies[name]
+    sync = ReplicasInSync()
+    train.train_and_evaluate(config, sys.argv[1] + "/" + label, strategy, callbacks=[sync])
+    print("RUN " + json.dumps({"label": label, "replicas": strategy.num_replicas_in_sync, **sync.seen}))
 """
 
 
-def _run_mirrored(name, workdir, epochs, mode):
-    stdout = run_module_script(MIRRORED_SCRIPT, name, str(workdir), str(epochs), mode)
-    lines = stdout.strip().splitlines()
-    sync = json.loads(next(line for line in lines if line.startswith("SYNC "))[5:])
-    return json.loads(lines[-1])["replicas"], sync
+@pytest.fixture(scope="module")
+def mirrored_runs(tmp_path_factory):
+    """The training job under MirroredStrategy over two (logical) CPU devices and under one device, in one
+    process: {label: (workdir, what the run reported)}."""
+    root = tmp_path_factory.mktemp("mirrored")
+    runs = [
+        ("defaults", "mirrored", 2, "defaults"),  # The shipped digits config.
+        ("one_device", "one_device", 1, "compare"),
+        ("mirrored", "mirrored", 1, "compare"),
+    ]
+    stdout = run_module_script(MIRRORED_SCRIPT, str(root), json.dumps(runs))
+    reports = [json.loads(line[4:]) for line in stdout.splitlines() if line.startswith("RUN ")]
+    assert [report["label"] for report in reports] == [label for label, *_ in runs]
+    return {report["label"]: (root / report["label"], report) for report in reports}
 
 
 @pytest.mark.slow
-def test_mirrored_over_two_cpu_devices_with_the_default_config(tmp_path):
+def test_mirrored_over_two_cpu_devices_with_the_default_config(mirrored_runs):
     """The shipped digits config, XLA as `jit_compile="auto"` picks it: it trains, and both
     replicas end with the same weights."""
-    replicas, sync = _run_mirrored("mirrored", tmp_path, 2, "defaults")
-    assert replicas == 2
-    assert sync["jit_compile"] is False  # Keras' rule under tf.distribute.
-    assert sync["mirrored"] == sync["weights"] > 0
-    assert sync["largest_gap"] == 0.0
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    workdir, run = mirrored_runs["defaults"]
+    assert run["replicas"] == 2
+    assert run["jit_compile"] is False  # Keras' rule under tf.distribute.
+    assert run["mirrored"] == run["weights"] > 0
+    assert run["largest_gap"] == 0.0
+    metrics = json.loads((workdir / "metrics.json").read_text())
     assert metrics["steps"] == 2 * (1437 // 64)
-    loss = json.loads((tmp_path / "history.json").read_text())["loss"]
+    loss = json.loads((workdir / "history.json").read_text())["loss"]
     assert loss[1] < loss[0], loss  # It learns (the warm-up lasts 5 epochs).
 
 
 @pytest.mark.slow
-def test_mirrored_over_two_cpu_devices_matches_one_device(tmp_path):
+def test_mirrored_over_two_cpu_devices_matches_one_device(mirrored_runs):
     """Also with gradient clipping active (norm 0.05): the global gradient is clipped, not each replica's."""
     losses = {}
     for name in ("one_device", "mirrored"):
-        replicas, sync = _run_mirrored(name, tmp_path / name, 1, "compare")
-        assert replicas == (2 if name == "mirrored" else 1)
-        assert sync["jit_compile"] is (name == "one_device")  # float32 training on one device: XLA.
-        losses[name] = json.loads((tmp_path / name / "history.json").read_text())["loss"]
+        workdir, run = mirrored_runs[name]
+        assert run["replicas"] == (2 if name == "mirrored" else 1)
+        assert run["jit_compile"] is (name == "one_device")  # float32 training on one device: XLA.
+        losses[name] = json.loads((workdir / "history.json").read_text())["loss"]
     # The same global batches and the same mean gradient, summed in another order (and, as
     # "auto" picks, compiled by XLA on one device but not under MirroredStrategy).
     np.testing.assert_allclose(losses["mirrored"], losses["one_device"], rtol=2e-3)
@@ -339,7 +356,8 @@ from experiments.configs import digits
 config = digits.get_config()
 config.dataset = "folder:{root}"
 config.image_size, config.batch_size, config.epochs, config.warmup_epochs = 16, 4, 2, 1
-config.model.patch_size = 4
+config.model.patch_size, config.model.num_layers = 4, 1
+config.visualize_images = 1
 config.augment.randaugment, config.augment.mixup_alpha = (2, 5), 0.2
 config.export = "tflite_int8"
 metrics = train.train_and_evaluate(config, "ram://run")

@@ -143,6 +143,14 @@ def run_tiny(module, workdir, **overrides):
     return run_module(module, f"--workdir={workdir}", *flags)
 
 
+def tiny_config(config_module, **overrides):
+    """The config of `config_module` with the tiny model and each override (`__` for a dot), as `run_tiny`'s
+    command line sets them."""
+    config = config_module.get_config()
+    config.update_from_flattened_dict({key.replace("__", "."): value for key, value in {**TINY, **overrides}.items()})
+    return config
+
+
 def check_png(path):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 150_000
@@ -185,11 +193,16 @@ def test_scaling_writes_its_json_table_and_figure(tmp_path):
 
 
 @pytest.mark.slow
-def test_transfer_writes_its_checkpoint_json_table_and_figure(tmp_path):
-    stdout = run_tiny(
-        "experiments.transfer", tmp_path, source_classes=(0, 1, 2, 3, 4), pretrain_steps=2, warmup_steps=1,
-        batch_size=16, target__shots=(2, 4), target__seeds=(0, 1), target__steps=2, target__batch_size=8,
+def test_transfer_writes_its_checkpoint_json_table_and_figure(tmp_path, capsys):
+    """In this process, through the job's `run` (its command line is scaling's: `common.run_job`)."""
+    from experiments.configs import transfer as transfer_config
+
+    config = tiny_config(
+        transfer_config, source_classes=(0, 1, 2, 3, 4), pretrain_steps=2, warmup_steps=1, batch_size=16,
+        target__shots=(2, 4), target__seeds=(0, 1), target__steps=2, target__batch_size=8,
     )
+    transfer.run(config, str(tmp_path))
+    stdout = capsys.readouterr().out
     results = json.loads((tmp_path / "transfer.json").read_text())
     digits = vit_data.load_digits(image_size=16)
     source, target = results["source"], results["target"]
