@@ -3,10 +3,10 @@
 The jobs (`train`, `scaling`, `transfer`, `export`, `visualize`) are thin and
 alike: each reads top to bottom and calls these helpers, so that a ViT, an
 optimizer or a data set is made from a config in one place whichever job
-asks.  Nothing here reads a flag.  The command line is glued on the same way
-for every job (`run_job`): its flags are defined when the job runs as a
-program, never on import, so that the jobs can be imported together, as
-libraries, without side effects.
+asks.  The helpers take a config, never a flag.  The command line is glued
+on the same way for every job (`run_job`): its flags are defined when the
+job runs as a program, never on import, so that the jobs can be imported
+together, as libraries, without side effects.
 
     >>> from experiments.configs import digits
     >>> config = digits.get_config()

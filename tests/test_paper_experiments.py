@@ -194,7 +194,8 @@ def test_scaling_writes_its_json_table_and_figure(tmp_path):
 
 @pytest.mark.slow
 def test_transfer_writes_its_checkpoint_json_table_and_figure(tmp_path, capsys):
-    """In this process, through the job's `run` (its command line is scaling's: `common.run_job`)."""
+    """In this process, through the job's `run`; its command line is `common.run_job`'s, which the scaling
+    test runs end to end."""
     from experiments.configs import transfer as transfer_config
 
     config = tiny_config(
