@@ -61,3 +61,28 @@ def digits_main_job(tmp_path_factory):
     """The README's main command with its defaults, run once: (workdir, stdout)."""
     workdir = tmp_path_factory.mktemp("main_job") / "digits"
     return workdir, run_module("experiments.train", f"--workdir={workdir}")
+
+
+# The fixtures that run once for several tests (a training job, a benchmark process): under pytest-xdist
+# (`-n`, set in setup.cfg), every test that uses one runs on the same worker, so the fixture still runs once.
+# tests/test_architecture.py checks that every module- or session-scoped fixture is listed here.
+SHARED_FIXTURES = (
+    "digits_main_job",
+    "tensorflow_runs",
+    "jax_runs",
+    "mirrored_runs",
+    "hybrid",
+    "timm_reference",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        shared = [name for name in SHARED_FIXTURES if name in item.fixturenames]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 4 (each worker holds its own TensorFlow and models)."""
+    return max(1, min(4, os.cpu_count() or 1))

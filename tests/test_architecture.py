@@ -210,3 +210,32 @@ def test_no_module_is_over_600_lines(package):
         if module.split(".")[0] == package and (count := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def shared_fixtures_in_tests():
+    """{name: its arguments} of the fixtures in tests/ declared with scope "module" or "session"."""
+    names = {}
+    for path in sorted((ROOT_PATH / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for decorator in node.decorator_list:
+                scopes = [
+                    keyword.value.value
+                    for keyword in getattr(decorator, "keywords", [])
+                    if keyword.arg == "scope" and isinstance(keyword.value, ast.Constant)
+                ]
+                if scopes and scopes[0] in ("module", "session", "package"):
+                    names[node.name] = {argument.arg for argument in node.args.args}
+    return names
+
+
+def test_every_shared_fixture_keeps_its_tests_on_one_worker():
+    from tests import conftest
+
+    found = shared_fixtures_in_tests()
+    assert "digits_main_job" in found and "digits_main_job" in found["digits_run"]
+    shared = set(conftest.SHARED_FIXTURES)
+    # A fixture built on a listed one (test_export's digits_run on digits_main_job) is grouped with it.
+    missing = {name for name, arguments in found.items() if name not in shared and not arguments & shared}
+    assert not missing, f"module- or session-scoped fixtures missing from conftest.SHARED_FIXTURES: {missing}"
