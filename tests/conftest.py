@@ -76,11 +76,17 @@ SHARED_FIXTURES = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
+    """Marks the tests that share a fixture with its group, and runs the groups first, the main job's
+    (the longest piece of the suite) at the head: one worker starts it while the others take the rest."""
+    rank = {}
     for item in items:
         shared = [name for name in SHARED_FIXTURES if name in item.fixturenames]
         if shared:
             item.add_marker(pytest.mark.xdist_group(shared[0]))
+        rank[item.nodeid] = SHARED_FIXTURES.index(shared[0]) if shared else len(SHARED_FIXTURES)
+    items.sort(key=lambda item: rank[item.nodeid])
 
 
 def pytest_xdist_auto_num_workers(config):
