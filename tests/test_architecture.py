@@ -239,3 +239,40 @@ def test_every_shared_fixture_keeps_its_tests_on_one_worker():
     # A fixture built on a listed one (test_export's digits_run on digits_main_job) is grouped with it.
     missing = {name for name, arguments in found.items() if name not in shared and not arguments & shared}
     assert not missing, f"module- or session-scoped fixtures missing from conftest.SHARED_FIXTURES: {missing}"
+
+
+@pytest.mark.slow
+def test_tests_that_share_a_fixture_run_on_one_worker(tmp_path):
+    """The suite's grouping under `-n 2 --dist loadgroup`, on stand-in tests: a session fixture used by
+    tests in two files runs once (pytest-xdist's groups have silently stopped working before)."""
+    import os
+    import subprocess
+    import sys
+
+    log = tmp_path / "log"
+    (tmp_path / "conftest.py").write_text(
+        "import os, pytest\n"
+        "from tests.conftest import pytest_collection_modifyitems  # the suite's grouping\n"
+        "@pytest.fixture(scope='session')\n"
+        "def digits_main_job():\n"
+        f"    open({str(log)!r}, 'a').write('job ' + os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+    )
+    for name in ("a", "b"):
+        (tmp_path / f"test_{name}.py").write_text(
+            "import os, time\n"
+            "def test_uses_the_job(digits_main_job):\n"
+            f"    open({str(log)!r}, 'a').write('test ' + os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+            + "".join(f"def test_other_{i}():\n    time.sleep(0.2)\n" for i in range(4))
+        )
+    env = dict(os.environ, PYTHONPATH=str(ROOT_PATH))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-c", os.devnull, "--rootdir", str(tmp_path), "-p", "no:cacheprovider",
+         "-n", "2", "--dist", "loadgroup", "-q", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = log.read_text().split("\n")
+    jobs = [line for line in lines if line.startswith("job")]
+    tests = [line for line in lines if line.startswith("test")]
+    assert len(jobs) == 1 and len(tests) == 2, lines
+    assert {line.split()[1] for line in tests} == {jobs[0].split()[1]}, lines

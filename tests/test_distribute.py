@@ -84,6 +84,9 @@ def test_auto_finds_the_tpu_of_a_tpu_vm_and_logs_its_choice(monkeypatch, caplog)
     monkeypatch.delenv("TPU_NAME", raising=False)
     monkeypatch.delenv("TF_CONFIG", raising=False)
     caplog.set_level(logging.INFO)
+    # The choice is logged through absl, whose logger a job run earlier in this process (its flags
+    # parsed, --verbosity at its default) leaves at WARNING.
+    caplog.set_level(logging.INFO, logger="absl")
     strategy = distribute.get_strategy("auto")
     assert isinstance(strategy, tf.distribute.OneDeviceStrategy)
     assert "Strategy: OneDeviceStrategy with 1 replica(s) (auto: no TPU" in caplog.text
