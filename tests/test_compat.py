@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_vit import compat
+from keras_vit import compat, requirements
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -29,12 +29,14 @@ def major_minor(version):
     return tuple(int(part) for part in version.split(".")[:2])
 
 
-def test_installed_versions_are_at_least_those_compat_was_written_for():
+def test_installed_versions_are_at_least_those_compat_is_checked_against():
     found = compat.installed_versions()
     for package in ("keras", "tensorflow"):
-        assert major_minor(found[package]) >= major_minor(compat.WRITTEN_FOR[package]), (
-            f"keras_vit.compat was {versions()}: older versions lack what its entries rely on."
+        assert major_minor(found[package]) >= major_minor(compat.CHECKED_FROM[package]), (
+            f"keras_vit.compat was {versions()}, checked from {compat.CHECKED_FROM}: "
+            "older versions may lack what its entries rely on."
         )
+    assert major_minor(compat.CHECKED_FROM["tensorflow"]) == requirements.MINIMUM_TENSORFLOW
 
 
 @pytest.mark.parametrize("entry", compat.ENTRIES)
