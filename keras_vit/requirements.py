@@ -63,8 +63,7 @@ def check_tensorflow(needed_by="keras_vit"):
         spec = None
     if spec is None:
         raise ImportError(missing_tensorflow_message(needed_by))
-    versions = [_distribution_version(name) for name in TENSORFLOW_DISTRIBUTIONS]
-    versions = [version for version in versions if version is not None]
+    versions = list(installed_tensorflows().values())
     old = [v for v in versions if version_tuple(v) < MINIMUM_TENSORFLOW]
     if old and len(old) == len(versions):
         raise ImportError(
@@ -73,11 +72,15 @@ def check_tensorflow(needed_by="keras_vit"):
         )
 
 
-def _distribution_version(name):
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
+def installed_tensorflows():
+    """{distribution: version} of the TensorFlow builds installed in this environment."""
+    found = {}
+    for name in TENSORFLOW_DISTRIBUTIONS:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
 
 
 def import_tensorflow(needed_by):

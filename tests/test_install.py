@@ -11,20 +11,10 @@ from keras_vit import requirements
 from tests.conftest import ROOT
 
 
-def installed_tensorflows():
-    found = {}
-    for name in requirements.TENSORFLOW_DISTRIBUTIONS:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
-
-
 def test_exactly_one_tensorflow_build_is_installed():
     # Installing the library next to `tensorflow-cpu` or `tensorflow-tpu` must not pull `tensorflow`
     # in beside it (two builds overwrite each other's files in site-packages).
-    found = installed_tensorflows()
+    found = requirements.installed_tensorflows()
     assert len(found) == 1, f"expected one TensorFlow distribution, found {found}"
     (version,) = found.values()
     assert requirements.version_tuple(version) >= requirements.MINIMUM_TENSORFLOW, found
