@@ -27,8 +27,8 @@ MODE_FLAGS = {
     "patch_projection": ("variant", "image_size", "batch_size", "repeats"),
     "serving": ("variant", "image_size", "repeats"),
     "input": (
-        "image_size", "batch_size", "repeats", "data", "data_dir", "synthetic_images", "synthetic_size",
-        "randaugment", "input_images",
+        "image_size", "batch_size", "repeats", "data", "data_dir", "synthetic", "synthetic_images", "synthetic_size",
+        "randaugment", "model_garden", "input_images",
     ),  # fmt: skip
 }
 MODE_FLAGS["train"] = MODE_FLAGS["infer"]
@@ -59,12 +59,24 @@ def define_flags(flag_values=FLAGS):
         "data", "", "input: an image folder (local or gs://) or tfds:NAME[:SPLIT]; default: synthetic JPEGs.", **f
     )
     flags.DEFINE_string("data_dir", "", "input: the TFDS data_dir of --data=tfds:NAME.", **f)
+    flags.DEFINE_enum(
+        "synthetic", "photos", ["photos", "gradients"],
+        "input: the synthetic folder's JPEGs: cut from scikit-image's photos, or drawn gradients and noise.", **f,
+    )  # fmt: skip
     flags.DEFINE_integer("synthetic_images", 512, "input: JPEGs in the synthetic folder.", **f)
     flags.DEFINE_string(
         "synthetic_size", "500x375", "input: WIDTHxHEIGHT of the synthetic JPEGs (500x375: a typical ImageNet photo).",
         **f,
     )  # fmt: skip
-    flags.DEFINE_list("randaugment", [], "input: RandAugment NUM_OPS,MAGNITUDE, e.g. 2,10; none if empty.", **f)
+    flags.DEFINE_list(
+        "randaugment", ["2", "10"],
+        "input: NUM_OPS,MAGNITUDE of the RandAugment measured beside decode + crop + flip (the ImageNet recipe's "
+        "2,10); none if empty.", **f,
+    )  # fmt: skip
+    flags.DEFINE_boolean(
+        "model_garden", True,
+        "input: also measure the pipeline with TF Model Garden's RandAugment (where `official` imports).", **f,
+    )  # fmt: skip
     flags.DEFINE_integer("input_images", 1024, "input: images per timed repetition.", **f)
     flags.DEFINE_string(
         "timm_python", "",
@@ -132,8 +144,8 @@ def measure(mode, repeats):
 
     return input_benchmark(
         FLAGS.image_size, FLAGS.batch_size, repeats, data=FLAGS.data, data_dir=FLAGS.data_dir,
-        synthetic_images=FLAGS.synthetic_images, synthetic_size=FLAGS.synthetic_size,
-        randaugment=FLAGS.randaugment, input_images=FLAGS.input_images,
+        synthetic=FLAGS.synthetic, synthetic_images=FLAGS.synthetic_images, synthetic_size=FLAGS.synthetic_size,
+        randaugment=FLAGS.randaugment, model_garden=FLAGS.model_garden, input_images=FLAGS.input_images,
     )  # fmt: skip
 
 
