@@ -502,7 +502,7 @@ def test_input_benchmark_plugs_a_callable_augmentation_in_as_the_peer(tiny_jpegs
     assert figures["cpu_time_ratios"]["model_garden"] == pytest.approx(cpu["model_garden"] / cpu["keras_vit"])
     assert "not_measured" not in figures and "versions" in measured
     stdout = capsys.readouterr().out
-    assert "+ Model Garden's RandAugment" in stdout and "keras_vit / model_garden: " in stdout
+    assert "+ Model Garden's RandAugment(2, 10) " in stdout and "keras_vit / model_garden: " in stdout
 
 
 def test_input_benchmark_without_model_garden_says_why_and_measures_the_rest(tiny_jpegs, monkeypatch, capsys):
@@ -518,9 +518,14 @@ def test_input_benchmark_without_model_garden_says_why_and_measures_the_rest(tin
     assert figures["not_measured"] == note and note in capsys.readouterr().out
     row = results.make_row("input", {"image_size": 32, "repeats": 1}, measured, argv=["benchmark", "--mode=input"])
     assert set(row) <= set(results.FIELDS) | {"backend", "dirty"} and row["figures"]["data"] == f"folder {tiny_jpegs}"
-    # Without --randaugment, decode + crop + flip alone.
-    figures = inputs.input_benchmark(32, 4, repeats=1, data=tiny_jpegs, randaugment=[], input_images=4)["figures"]
+    assert row["figures"]["cached"] is False  # A folder of one's own is read from its files.
+    # Without --randaugment, decode + crop + flip alone; the folder it writes is kept in memory.
+    figures = inputs.input_benchmark(
+        32, 4, repeats=1, synthetic="gradients", synthetic_images=12, synthetic_size="48x40", randaugment=[],
+        input_images=4,
+    )["figures"]  # fmt: skip
     assert list(figures["images_per_second"]) == ["crop_flip"] and "randaugment_added_cost" not in figures
+    assert figures["data"] == "12 48x40 synthetic JPEGs" and figures["cached"] is True
 
 
 # === Helpers of the benchmark ===

@@ -176,35 +176,39 @@ def summarize(timings, images_per_turn, cores):
     return figures, ratios
 
 
-def input_figures(source, image_size, batch_size, forms, repeats, images_per_repeat, what, note=""):
+def input_figures(source, image_size, batch_size, forms, repeats, images_per_repeat, what, note="", cache=False):
     """Measures and prints the training input pipeline's images/s in each of `forms` ({name: the
-    `randaugment` argument of `training_pipeline`}) on `source`; returns {"figures", "ratios"} of a row."""
+    `randaugment` argument of `training_pipeline`}) on `source`, with the encoded bytes kept in memory
+    after the first pass where `cache`; returns {"figures", "ratios"} of a row."""
     from keras_vit import data as vit_data
 
     pipelines = {
-        name: vit_data.training_pipeline(source, image_size, batch_size, randaugment=randaugment)
+        name: vit_data.training_pipeline(source, image_size, batch_size, randaugment=randaugment, cache=cache)
         for name, randaugment in forms.items()
     }
     per_turn = math.ceil(images_per_repeat / batch_size)
     load = os.getloadavg()[0]
     timings = time_turns(
         pipelines, per_turn, warmup_batches=max(2, per_turn // 4), repeats=repeats,
-        first_turn_batches=math.ceil(source.num_train / batch_size),
+        # A pass over the files (the cache filled), or over what the timed turns read of a large set.
+        first_turn_batches=math.ceil(min(source.num_train, 4 * per_turn * batch_size) / batch_size),
     )  # fmt: skip
     cores = usable_cores()
     figures, ratios = summarize(timings, per_turn * batch_size, cores)
     figures["load_average"] = [load, os.getloadavg()[0]]
     print(
-        f"Input pipeline at {image_size} px, batch {batch_size}, on {machine_name()} ({what}): JPEG bytes read, "
-        f"{BASE_WHAT}, uint8 batches; the forms in turns, median of {repeats} turns of {per_turn * batch_size} images "
-        "each after a warm-up; CPU time: this process's"
+        f"Input pipeline at {image_size} px, batch {batch_size}, on {machine_name()} ({what}): JPEG bytes "
+        f"{'cached in memory' if cache else 'read from the files'}, {BASE_WHAT}, uint8 batches; the forms in "
+        f"turns, median of {repeats} turns of {per_turn * batch_size} images each after a warm-up; CPU time: "
+        "this process's"
     )
-    print(f"  Load average (1 min) {load:.2f} before, {os.getloadavg()[0]:.2f} after, on {cores} cores")
+    print(f"  Load average (1 min) {load:.2f} before, {figures['load_average'][1]:.2f} after, on {cores} cores")
     print(f"  {'form':<58}{'images/s':>10}{'per core':>10}{'CPU ms/image':>14}{'busy cores':>12}{'cores/1k/s':>12}")
+    setting = next((value for value in forms.values() if isinstance(value, tuple)), None)
     for name, randaugment in forms.items():
         cpu_ms = 1000 * figures["cpu_seconds_per_image"][name]
         print(
-            f"  {describe(name, randaugment):<58}{figures['images_per_second'][name]:>10.1f}"
+            f"  {describe(name, randaugment, setting):<58}{figures['images_per_second'][name]:>10.1f}"
             f"{figures['images_per_second_per_core'][name]:>10.1f}{cpu_ms:>14.2f}"
             f"{figures['busy_cores'][name]:>12.2f}{figures['cores_per_1000_images_per_second'][name]:>12.1f}"
         )
@@ -224,7 +228,7 @@ def input_figures(source, image_size, batch_size, forms, repeats, images_per_rep
     if source.skipped.count:
         print(f"  {source.skipped.count} image(s) skipped: failed to decode, e.g. {source.skipped.paths[:3]}")
     print(f"  Compare: --mode=train --image_size={image_size} gives the model's images/s on this host.")
-    figures.update(data=what, skipped_images=source.skipped.count)
+    figures.update(data=what, cached=cache, skipped_images=source.skipped.count)
     measured = {"figures": figures, "ratios": ratios}
     if PEER in forms:
         measured["versions"] = peer_versions()
@@ -244,12 +248,12 @@ def peer_versions():
     return versions
 
 
-def describe(name, randaugment):
-    """What the form `name` computes, for the report."""
+def describe(name, randaugment, setting):
+    """What the form `name` computes, for the report; `setting`: the (num_ops, magnitude) of the run."""
     if randaugment is None:
         return BASE_WHAT
-    setting = f"RandAugment{tuple(randaugment)}" if isinstance(randaugment, tuple) else "RandAugment"
-    return f"+ {'Model Garden' if name == PEER else name}'s {setting}"
+    setting = tuple(randaugment) if isinstance(randaugment, tuple) else setting
+    return f"+ {'Model Garden' if name == PEER else name}'s RandAugment{setting or ''}"
 
 
 def input_rate(source, image_size, batch_size, randaugment, repeats, images_per_repeat, what):
@@ -284,6 +288,7 @@ def input_benchmark(
             peer, note = model_garden_randaugment(num_ops, magnitude)
             if peer is not None:
                 forms[PEER] = peer
+    written = not data
     with tempfile.TemporaryDirectory() as tmp:
         if data.startswith("tfds:"):
             what = data
@@ -298,4 +303,7 @@ def input_benchmark(
                 what = f"folder {data}"
             data = f"folder:{data}"
         source = vit_data.load_image_source(data, data_dir=data_dir or None, test_fraction=0.1)
-        return input_figures(source, image_size, batch_size, forms, repeats, input_images, what, note)
+        # The synthetic folder's bytes are kept in memory, as the ImageNet recipe keeps ImageNet's
+        # (`config.cache`): the figures are then decoding and augmenting. A set of one's own is read from its
+        # files (ImageNet's would not fit in memory here).
+        return input_figures(source, image_size, batch_size, forms, repeats, input_images, what, note, cache=written)
