@@ -23,9 +23,9 @@ graph, seeds included.  With a fixed shuffle or augmentation seed, or with
 seeds then derive from it in the client), every worker produces the same
 stream, and the client reads each batch once per worker.  (Model Garden
 passes `seed=None`, which gives each worker its own draw only while no global
-seed is set.)  `seeded_on_worker` builds the pipeline from a seed drawn by
-each worker when it starts the pipeline, whatever the client's seeds: the
-workers' streams are independent.  A run through the service is therefore
+seed is set.)  `on_each_worker` builds the pipeline with no graph seed, so
+that its unseeded ops draw their seeds on each worker when it starts the
+pipeline, whatever the client's seeds: the workers' streams are independent.  A run through the service is therefore
 reproducible in its number of steps, not batch for batch.
 
 The workers run the serialized graph, nothing else.  `tf.py_function` and
@@ -86,7 +86,7 @@ def distribute(dataset, address, *, job_name, processing_mode="parallel_epochs")
     input pipeline of a multi-host run is its own job on every worker.
     `processing_mode` is "parallel_epochs" (each worker runs the whole
     dataset: for an endless, shuffled training pipeline whose seeds are drawn
-    on the workers, `seeded_on_worker`) or "distributed_epoch" (each element
+    on the workers, `on_each_worker`) or "distributed_epoch" (each element
     of a splittable source processed once, by one worker).
     """
     host, port = parse_address(address)
@@ -102,36 +102,28 @@ def distribute(dataset, address, *, job_name, processing_mode="parallel_epochs")
     )
 
 
-def seeded_on_worker(build):
-    """`build(seed)`'s dataset, `seed` an int64 scalar tensor drawn where and when the dataset is iterated.
+def on_each_worker(build):
+    """The dataset `build()` makes, built so that its unseeded random ops draw their seeds where it runs.
 
-    Through the tf.data service, the graph of `build(seed)` runs on each
-    worker with the worker's own seed, drawn when it starts the job's
-    pipeline, whatever seeds the client set (a global seed included): built
-    from it, the workers' shuffling and augmentation differ.  Iterated in the
-    client, each iteration draws a new seed.  `build` seeds every random op
-    from `seed` (tensors are accepted wherever tf.data takes a seed); it is
-    traced once, as a `flat_map` function.
+    `build()` is traced as a function with no graph-level seed: its random
+    ops given `seed=None` (shuffles, `tf.data.Dataset.random`) then get the
+    seeds (0, 0), which their kernels take as "draw a seed when the pipeline
+    starts", whatever seeds the client set (a global seed included).  Through
+    the tf.data service, each worker draws its own: the workers' streams are
+    independent.  Iterated in the client, each iteration draws anew.  An op
+    given a seed of its own keeps it, the same on every worker.
 
-    >>> ds = seeded_on_worker(lambda seed: tf.data.Dataset.range(100).shuffle(100, seed=seed))
+    >>> ds = on_each_worker(lambda: tf.data.Dataset.range(100).shuffle(100))
     >>> sorted(int(x) for x in ds) == list(range(100))
     True
     """
 
-    def build_traced(seed):
-        # The trace's own graph seed (set_seed in a graph touches that graph only): with a global seed of 0
-        # inherited, TensorFlow's seed helper compares a tensor op seed as a Python bool and fails.
-        tf.random.set_seed(1)
-        return build(seed)
+    def traced(_):
+        # In a function being traced this sets that graph's seed only, not the process's global seed.
+        tf.compat.v1.set_random_seed(None)
+        return build()
 
-    # A random op seeded (0, 0) draws a nondeterministic seed in its kernel, in the process that runs it.
-    drawn = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(
-        lambda _: tf.raw_ops.RandomUniformInt(
-            shape=tf.constant([], tf.int32), minval=tf.constant(0, tf.int64),
-            maxval=tf.constant(2**31 - 1, tf.int64), seed=0, seed2=0,
-        )
-    )
-    return drawn.flat_map(build_traced)
+    return tf.data.Dataset.from_tensors(0).flat_map(traced)
 
 
 def start_dispatcher(port=0, *, work_dir=None):
