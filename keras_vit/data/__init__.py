@@ -11,20 +11,26 @@ no download).  Image folders and TFDS sets are read and decoded on the fly
 distributed run, and an image that fails to decode is skipped and named, never
 fatal.
 
-Four modules; `sources` imports `decode`, `pipeline` imports `augment`, and no
-other import runs between them:
+Five modules, and `service` beside them; imports run `sources` -> `decode`,
+`augment` -> `decode`, `randaugment`, and `pipeline` -> `augment`, `decode`:
 
-- `decode`: encoded bytes to uint8 RGB (`decode_image`), and a pass of records
-  decoded with the failures skipped and named (`decode_skipping_failures`,
+- `decode`: encoded bytes to uint8 RGB (`decode_image`), and records decoded
+  with the failures skipped and named (`decode_skipping_failures`, and its
+  graph-only parts `mark_failures`, `note_failures`, `carry_failures`;
   `DecodeFailures`);
 - `sources`: where examples come from: the digits in memory (`load_digits`,
   `Split`, `Dataset`), folders and TFDS sets as an `ImageSource`
   (`load_folder`, `load_tfds`, `load_image_source` for the names
   "folder:PATH" and "tfds:NAME[:SPLIT]"), sharded by file per input pipeline;
-- `augment`: one image at a time, in the graph: crops, flips, translation,
-  RandAugment, and the evaluation resize and crop;
+- `randaugment`: RandAugment as published (Cubuk et al. 2019, the TPU
+  reference implementation), one op computed per draw (`rand_augment`);
+- `augment`: one image at a time, in the graph: crops (a JPEG decoded inside
+  its crop: `decode_and_crop`), flips, translation, and the evaluation resize
+  and crop;
 - `pipeline`: batches for `fit` and `evaluate` (`make_pipeline`,
-  `image_pipeline`, `training_pipeline`).
+  `image_pipeline`, `training_pipeline`);
+- `service` (imported as `keras_vit.data.service`): tf.data service, to run
+  the training pipeline on other machines' CPUs.
 
 Every name below is importable from `keras_vit.data`.
 """
@@ -35,20 +41,32 @@ from keras_vit.requirements import check_tensorflow
 check_tensorflow("keras_vit.data")
 
 from keras_vit.data.augment import (
+    INCEPTION_AREA_RANGE,
+    INCEPTION_ASPECT_RANGE,
     center_crop_resize,
     crop_flip_resize,
+    decode_and_crop,
     inception_crop,
     make_randaugment,
+    randaugment_function,
+    randaugment_seed,
     random_translate,
+    resize_flip,
 )
 from keras_vit.data.decode import (
     IMAGE_MAGIC,
     NAMED_IN_A_ROW,
+    ONE_PIXEL_PNG,
     DecodeFailures,
+    carry_failures,
     decode_image,
     decode_skipping_failures,
+    mark_failures,
+    note_failures,
+    record_failures,
 )
 from keras_vit.data.pipeline import image_pipeline, make_pipeline, training_pipeline
+from keras_vit.data.randaugment import RANDAUGMENT_OPS, apply_op, draw_ops, rand_augment
 from keras_vit.data.sources import (
     IMAGE_EXTENSIONS,
     Dataset,
@@ -58,28 +76,45 @@ from keras_vit.data.sources import (
     load_folder,
     load_image_source,
     load_tfds,
+    load_tfds_evaluation,
 )
 
 __all__ = [
     "IMAGE_EXTENSIONS",
     "IMAGE_MAGIC",
+    "INCEPTION_AREA_RANGE",
+    "INCEPTION_ASPECT_RANGE",
     "NAMED_IN_A_ROW",
+    "ONE_PIXEL_PNG",
+    "RANDAUGMENT_OPS",
     "Dataset",
     "DecodeFailures",
     "ImageSource",
     "Split",
+    "apply_op",
+    "carry_failures",
     "center_crop_resize",
     "crop_flip_resize",
+    "decode_and_crop",
     "decode_image",
     "decode_skipping_failures",
+    "draw_ops",
     "image_pipeline",
     "inception_crop",
     "load_digits",
     "load_folder",
     "load_image_source",
     "load_tfds",
+    "load_tfds_evaluation",
     "make_pipeline",
     "make_randaugment",
+    "mark_failures",
+    "note_failures",
+    "rand_augment",
+    "randaugment_function",
+    "randaugment_seed",
     "random_translate",
+    "record_failures",
+    "resize_flip",
     "training_pipeline",
 ]

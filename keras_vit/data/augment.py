@@ -1,11 +1,14 @@
 """Per-image preprocessing in the graph: the training augmentations (random translation, Inception crop,
 flip, RandAugment) and the evaluation resize and center crop.
 
-Images come in as uint8 (H, W, C) and leave as uint8: the model rescales its pixels itself.
+Images come in as uint8 (H, W, C) and leave as uint8: the model rescales its pixels itself.  A training
+image can also come in encoded (`decode_and_crop`): a JPEG is then decoded inside its crop only.
 """
 
-import keras
 import tensorflow as tf
+
+from keras_vit.data.decode import IMAGE_MAGIC, decode_image
+from keras_vit.data.randaugment import rand_augment
 
 
 def random_translate(image, max_shift):
@@ -37,49 +40,116 @@ def center_crop_resize(image, size, crop_fraction=1.0):
     cropped = tf.image.crop_to_bounding_box(resized, top, left, height, width)
     return tf.cast(tf.clip_by_value(tf.round(cropped), 0, 255), tf.uint8)
 
-def inception_crop(image, seed, area_range=(0.08, 1.0)):
-    """Inception-style random resized crop: a random box of 8-100% of the area, aspect 3/4-4/3."""
+# The Inception crop's box: 8-100% of the image's area (Szegedy et al. 2015; timm, Keras), aspect 3/4-4/3.
+INCEPTION_AREA_RANGE = (0.08, 1.0)
+INCEPTION_ASPECT_RANGE = (3 / 4, 4 / 3)
+
+
+def _crop_box(image_shape, seed, area_range):
+    """(begin, size) of an Inception crop of an image of `image_shape` (H, W, C), drawn from `seed`."""
     begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-        tf.shape(image),
+        image_shape,
         bounding_boxes=tf.zeros([0, 0, 4]),
         seed=seed,
         area_range=area_range,
-        aspect_ratio_range=(3 / 4, 4 / 3),
+        aspect_ratio_range=INCEPTION_ASPECT_RANGE,
         min_object_covered=0.0,
         use_image_if_no_bounding_boxes=True,
     )
+    return begin, size
+
+
+def inception_crop(image, seed, area_range=INCEPTION_AREA_RANGE):
+    """Inception-style random resized crop: a random box of 8-100% of the area (`area_range`), aspect 3/4-4/3."""
+    begin, size = _crop_box(tf.shape(image), seed, area_range)
     return tf.slice(image, begin, size)
 
 
-def crop_flip_resize(image, seed, size, *, crop=True, flip=True):
-    """Training augmentation of one (H, W, 3) image: `inception_crop`, resize to `size`, horizontal flip.
+def decode_and_crop(encoded, seed, area_range=INCEPTION_AREA_RANGE):
+    """Encoded image bytes -> the uint8 (h, w, 3) Inception crop `inception_crop` takes with the same seed.
 
-    Stateless: `seed` (an int32 pair, one per example) decides the crop and
-    the flip, so the same seeds give the same images.  The resize is bilinear
-    and antialiased, and happens with or without the crop.  Returns uint8.
+    A JPEG is decoded inside the crop only (`tf.image.decode_and_crop_jpeg`,
+    its size read from its header), which for a crop of a fraction of the
+    image saves most of the decoding, as big_vision's
+    `decode_jpeg_and_inception_crop` does; other formats are decoded whole,
+    then cropped.  Data it cannot decode raises `InvalidArgumentError`.
     """
+
+    def jpeg():
+        begin, size = _crop_box(tf.image.extract_jpeg_shape(encoded), seed, area_range)
+        window = tf.stack([begin[0], begin[1], size[0], size[1]])
+        image = tf.image.decode_and_crop_jpeg(encoded, window, channels=3)
+        image.set_shape([None, None, 3])
+        return image
+
+    def other():
+        return inception_crop(decode_image(encoded), seed, area_range)
+
+    return tf.cond(tf.strings.substr(encoded, 0, 3) == IMAGE_MAGIC["JPEG"], jpeg, other)
+
+
+def resize_flip(image, seed, size, *, flip=True):
+    """Resizes one (h, w, 3) image to `size` (bilinear, antialiased) and flips it horizontally with probability
+    1/2, drawn from `seed` (an int32 pair).  Returns uint8 (H, W, 3)."""
     height, width = size
-    if crop:
-        image = inception_crop(image, seed)
     image = tf.ensure_shape(tf.image.resize(image, (height, width), antialias=True), (height, width, 3))
     if flip:
         image = tf.image.stateless_random_flip_left_right(image, seed=seed[::-1])
     return tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8)
 
 
-def make_randaugment(num_ops, magnitude, *, seed=0):
-    """Keras' `RandAugment` layer as a function of uint8 images; returns uint8.
+def crop_flip_resize(image, seed, size, *, crop=True, flip=True, area_range=INCEPTION_AREA_RANGE):
+    """Training augmentation of one (H, W, 3) image: `inception_crop`, resize to `size`, horizontal flip.
 
-    `num_ops` operations are drawn at random for each call (each image, in a
-    map over images), at `magnitude` on RandAugment's 0-10 scale (Keras'
-    `factor = magnitude / 10`).  The layer is created here, once, with `seed`;
-    its generator advances with every call.
+    Stateless: `seed` (an int32 pair, one per example) decides the crop and
+    the flip, so the same seeds give the same images.  The resize is bilinear
+    and antialiased, and happens with or without the crop.  Returns uint8.
     """
-    # Keras core's RandAugment: keras-cv's is no longer developed and
-    # targets older Keras; this one ships with the Keras we depend on.
-    layer = keras.layers.RandAugment(value_range=(0, 255), num_ops=num_ops, factor=magnitude / 10.0, seed=seed)
+    if crop:
+        image = inception_crop(image, seed, area_range)
+    return resize_flip(image, seed, size, flip=flip)
 
-    def rand_augment(image):
-        return tf.cast(tf.clip_by_value(layer(image), 0, 255), tf.uint8)
 
-    return rand_augment
+def randaugment_function(randaugment):
+    """`randaugment` as the function of (uint8 image, int32 seed pair) a pipeline applies, or None.
+
+    None: none; (num_ops, magnitude): `keras_vit.data.randaugment.rand_augment`,
+    the published policy; a callable of (image, seed) -> image: itself (how a
+    benchmark plugs in another implementation).
+    """
+    if randaugment is None or callable(randaugment):
+        return randaugment
+    try:
+        num_ops, magnitude = randaugment
+    except (TypeError, ValueError):
+        raise ValueError(
+            "`randaugment` must be None, (num_ops, magnitude) or a function of (image, seed). "
+            f"Received: randaugment={randaugment!r}"
+        ) from None
+
+    def augment(image, seed):
+        return rand_augment(image, seed, num_ops=int(num_ops), magnitude=float(magnitude))
+
+    return augment
+
+
+def randaugment_seed(seed):
+    """RandAugment's seed pair for an image, from the image's own (the crop and flip's): independent of it."""
+    return tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int32), 0x52_41)
+
+
+def make_randaugment(num_ops, magnitude, *, seed=0):
+    """The published RandAugment (`keras_vit.data.randaugment.rand_augment`) as a function of uint8 images.
+
+    For use outside a seeded pipeline: each call draws a new seed from a
+    generator created here with `seed`, so the same `seed` gives the same
+    sequence of images.  Pipelines give each image its own seed instead
+    (`rand_augment(image, seed)`), which needs no state.
+    """
+    generator = tf.random.Generator.from_seed(seed)
+    augment = randaugment_function((num_ops, magnitude))
+
+    def rand_augment_image(image):
+        return augment(image, generator.uniform_full_int([2], tf.int32))
+
+    return rand_augment_image

@@ -96,13 +96,141 @@ def _error_message(error):
     return message.strip() or type(error).__name__
 
 
-# A 1x1 PNG: the record that ends each pass of `decode_skipping_failures`.
-_ONE_PIXEL_PNG = (
+# A 1x1 PNG: the record that ends each pass of `mark_failures`.
+ONE_PIXEL_PNG = (
     b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x02\x00\x00\x00\x90wS\xde"
     b"\x00\x00\x00\x0cIDAT\x08\xd7c```\x00\x00\x00\x04\x00\x01'4'\n\x00\x00\x00\x00IEND\xaeB`\x82"
 )
 # The names of up to this many failures in a row are kept; more are counted.
 NAMED_IN_A_ROW = 64
+# Between the names of failures in a row, in one string: no path or TFDS id holds a NUL.
+_NAME_SEPARATOR = "\x00"
+
+
+def mark_failures(records, transform, end):
+    """One pass of (inputs, label, name) records -> (outputs, label, missing, nothing_yet, names).
+
+    `transform(inputs, is_end)` maps a record's inputs to its outputs (load,
+    decode, augment) and may fail; `end` is the inputs of a record it never
+    fails on (given `is_end`), added after the last record so that failures
+    at the end of a pass are seen too; its label is -1.
+
+    The records are numbered, each carrying the names of the
+    `NAMED_IN_A_ROW` records before it, and transformed by a parallel map in
+    order; `ignore_errors` drops a record that fails.  A gap in the numbers
+    that come out is the failures just before a record: `missing` counts
+    them and `names` joins (NUL-separated) those of them whose names were
+    kept; `nothing_yet` says that no record of the pass came out before.
+    All of it is graph-only: no Python, no GIL, no dataset per record (the
+    two other ways to catch one record's error, both slower), so it can run
+    on tf.data service workers.  `note_failures` or `carry_failures` then
+    reports the failures and drops the end record.
+    """
+    end = tf.data.Dataset.from_tensors((end, tf.constant(-1, tf.int32), tf.constant("")))
+
+    def number(state, record):
+        index, previous = state
+        inputs, label, name = record
+        return (index + 1, tf.concat([previous[1:], [name]], 0)), (index, inputs, label, previous)
+
+    def apply(index, inputs, label, previous):
+        return index, transform(inputs, label < 0), label, previous
+
+    def measure_gap(last, element):
+        index, outputs, label, previous = element
+        missing = index - last - 1
+        named = previous[NAMED_IN_A_ROW - tf.minimum(missing, NAMED_IN_A_ROW):]
+        names = tf.strings.reduce_join(named, separator=_NAME_SEPARATOR)
+        return index, (outputs, label, missing, last < 0, names)
+
+    names = tf.fill([NAMED_IN_A_ROW], "")
+    ds = records.concatenate(end).scan((tf.constant(0, tf.int64), names), number)
+    # In order, whatever the options say: the numbers must come out as they went in.
+    ds = ds.map(apply, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
+    return ds.scan(tf.constant(-1, tf.int64), measure_gap)
+
+
+def _all_failed(missing, what, example, error=None):
+    because = f": {error}" if error else ""
+    return (
+        f"All {missing} examples of {what} failed to read or decode (e.g. {example}{because}). "
+        "Expected JPEG, PNG, GIF, BMP or WebP images."
+    )
+
+
+def record_failures(failures, missing, names, reload):
+    """Adds to `failures` (a `DecodeFailures`) `missing` failures, `names` (bytes, NUL-separated) the names
+    of the last of them; each new name is tried once more with `reload` for its error's message."""
+    missing = int(missing)
+    names = [name.decode("utf-8", errors="replace") for name in names.split(_NAME_SEPARATOR.encode()) if name]
+    for name in names:
+        if name in failures:  # Met in an earlier pass.
+            continue
+        try:  # Once more, eagerly, for the error's message.
+            decode_image(reload(name))
+            error = "failed in the input pipeline, decoded when tried again (a transient read error?)"
+        except tf.errors.OpError as e:
+            error = _error_message(e)
+        failures.record(name, error)
+    if missing > len(names):
+        failures.record_unnamed(missing - len(names), names[0] if names else "the end of a pass")
+    return names
+
+
+def note_failures(marked, failures, what, reload):
+    """`mark_failures`' elements -> (outputs, label), the failures recorded in `failures` as they are met
+    (Python, in this process), the end record dropped.  When every record of the pass failed, iterating
+    raises an error naming `what`: there is nothing to train on, and a repeated pipeline would otherwise
+    spin forever."""
+
+    def note(missing, nothing_yet, label, names):
+        names = record_failures(failures, missing, names.numpy(), reload)
+        if label < 0 and nothing_yet:
+            example = names[-1] if names else "?"
+            raise ValueError(_all_failed(int(missing), what, example, failures.errors.get(example)))
+        return True
+
+    def keep(outputs, label, missing, nothing_yet, names):
+        noted = tf.cond(
+            missing > 0,
+            lambda: tf.reshape(tf.py_function(note, [missing, nothing_yet, label, names], tf.bool), []),
+            lambda: tf.constant(True),
+        )
+        return tf.logical_and(noted, label >= 0)
+
+    return marked.filter(keep).map(lambda outputs, label, missing, nothing_yet, names: (outputs, label))
+
+
+def carry_failures(marked, what):
+    """Repeated passes of `mark_failures`' elements -> (outputs, label, missing, names), graph-only.
+
+    The failures met at the end of a pass (before its end record, which is
+    dropped) are carried to the next record that comes out, so that every
+    failure travels with a record: batched, they reach the process that
+    reads the batches (`record_failures`), even from tf.data service
+    workers, where Python cannot run.  A pass in which every record failed
+    raises `InvalidArgumentError` naming `what`.
+    """
+
+    def carry(pending, element):
+        pending_missing, pending_names = pending
+        outputs, label, missing, nothing_yet, names = element
+        check = tf.debugging.Assert(
+            tf.logical_not(tf.logical_and(label < 0, nothing_yet)),
+            [tf.strings.format(_all_failed("{}", what, "{}"), [missing, names])],
+        )
+        with tf.control_dependencies([check]):
+            missing = missing + pending_missing
+        names = tf.strings.reduce_join(
+            tf.boolean_mask(tf.stack([pending_names, names]), tf.stack([pending_names != "", names != ""])),
+            separator=_NAME_SEPARATOR,
+        )
+        end = label < 0
+        carried = (tf.where(end, missing, 0), tf.where(end, names, ""))
+        return carried, (outputs, label, missing, names)
+
+    ds = marked.scan((tf.constant(0, tf.int64), tf.constant("")), carry)
+    return ds.filter(lambda outputs, label, missing, names: label >= 0)
 
 
 def decode_skipping_failures(records, load, failures, what, reload):
@@ -110,67 +238,15 @@ def decode_skipping_failures(records, load, failures, what, reload):
 
     `load` maps a reference to encoded bytes in the graph (`tf.io.read_file`
     for paths, the identity for bytes); `reload(name)` gives them again,
-    eagerly, for the message of an error.
-
-    The records are numbered, each carrying the names of the
-    `NAMED_IN_A_ROW` records before it; they are loaded and decoded by a
-    parallel map in order, and `ignore_errors` drops a record that fails.  A
-    gap in the numbers that come out is the failures, named by the record
-    after them, which calls Python (to log them and fill `failures`, a
-    `DecodeFailures`); a valid 1x1 image ends the pass so that failures at the
-    end are seen too.  Good records never leave the graph: no Python, no GIL,
-    no dataset per record (the two other ways to catch one record's error,
-    both slower).  When every record of the pass fails, iterating raises an
-    error naming `what`: there is nothing to train on, and a repeated pipeline
-    would otherwise spin forever.
+    eagerly, for the message of an error.  Failures are found by
+    `mark_failures` and recorded in `failures` (a `DecodeFailures`) by
+    `note_failures`; good records never leave the graph.  When every record
+    of the pass fails, iterating raises an error naming `what`.
     """
-    end = tf.data.Dataset.from_tensors((tf.constant(""), tf.constant(-1, tf.int32), tf.constant("")))
 
-    def number(state, record):
-        index, previous = state
-        reference, label, name = record
-        return (index + 1, tf.concat([previous[1:], [name]], 0)), (index, reference, label, previous)
+    def transform(reference, is_end):
+        return decode_image(tf.cond(is_end, lambda: tf.constant(ONE_PIXEL_PNG), lambda: load(reference)))
 
-    def decode(index, reference, label, previous):
-        encoded = tf.cond(label < 0, lambda: tf.constant(_ONE_PIXEL_PNG), lambda: load(reference))
-        return index, decode_image(encoded), label, previous
-
-    def measure_gap(last, element):
-        index, image, label, previous = element
-        return index, (index - last - 1, last < 0, image, label, previous)
-
-    def note(missing, nothing_yet, label, previous):
-        missing = int(missing)
-        names = [name.decode("utf-8", errors="replace") for name in previous.numpy()[-missing:]]
-        for name in names:
-            if name in failures:  # Met in an earlier pass.
-                continue
-            try:  # Once more, eagerly, for the error's message.
-                decode_image(reload(name))
-                error = "failed in the input pipeline, decoded when tried again (a transient read error?)"
-            except tf.errors.OpError as e:
-                error = _error_message(e)
-            failures.record(name, error)
-        if missing > len(names):
-            failures.record_unnamed(missing - len(names), names[0])
-        if label < 0 and nothing_yet:
-            raise ValueError(
-                f"All {missing} examples of {what} failed to read or decode (e.g. {names[-1]}: "
-                f"{failures.errors.get(names[-1])}). Expected JPEG, PNG, GIF, BMP or WebP images."
-            )
-        return True
-
-    def keep(missing, nothing_yet, image, label, previous):
-        noted = tf.cond(
-            missing > 0,
-            lambda: tf.reshape(tf.py_function(note, [missing, nothing_yet, label, previous], tf.bool), []),
-            lambda: tf.constant(True),
-        )
-        return tf.logical_and(noted, label >= 0)
-
-    names = tf.fill([NAMED_IN_A_ROW], "")
-    ds = records.concatenate(end).scan((tf.constant(0, tf.int64), names), number)
-    # In order, whatever the options say: the numbers must come out as they went in.
-    ds = ds.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
-    ds = ds.scan(tf.constant(-1, tf.int64), measure_gap).filter(keep)
-    return ds.map(lambda missing, nothing_yet, image, label, previous: (image, label))
+    records = records.map(lambda reference, label, name: (reference, label, name))
+    marked = mark_failures(records, transform, tf.constant(""))
+    return note_failures(marked, failures, what, reload)

@@ -2,12 +2,31 @@
 
 `make_pipeline` batches an in-memory split (the digits); `image_pipeline` augments and batches decoded
 (image, label) pairs; `training_pipeline` is what one input pipeline (one host) of a distributed run feeds
-`fit` from an `ImageSource`.
+`fit` from an `ImageSource`: read, decoded inside the crop, augmented and batched, here or on tf.data
+service workers.
 """
 
 import tensorflow as tf
 
-from keras_vit.data.augment import center_crop_resize, crop_flip_resize, make_randaugment, random_translate
+from keras_vit.data.augment import (
+    INCEPTION_AREA_RANGE,
+    center_crop_resize,
+    crop_flip_resize,
+    decode_and_crop,
+    randaugment_function,
+    randaugment_seed,
+    random_translate,
+    resize_flip,
+)
+from keras_vit.data.decode import (
+    ONE_PIXEL_PNG,
+    carry_failures,
+    decode_image,
+    mark_failures,
+    note_failures,
+    record_failures,
+)
+from keras_vit.data.service import distribute, on_each_worker
 
 
 def make_pipeline(split, batch_size, *, training, num_classes=None, seed=0, max_shift=0):
@@ -44,36 +63,126 @@ def make_pipeline(split, batch_size, *, training, num_classes=None, seed=0, max_
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
+def _one_hot_batches(ds, num_classes):
+    """Labels one-hot (what label smoothing and batch mixing need), the distribution policy set."""
+    ds = ds.map(lambda x, y: (x, tf.one_hot(y, num_classes)))
+    # Handed to `fit` as a tf.data.Dataset (evaluation), it is split by example
+    # across workers; built inside `strategy.distribute_datasets_from_function`
+    # (training), each input pipeline has read its own files and no policy applies.
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
 def training_pipeline(
     source, image_size, global_batch_size, input_context=None, *, seed=0, crop=True, flip=True, randaugment=None,
-    cache=False,
+    cache=False, shuffle_buffer=10_000, crop_area_range=INCEPTION_AREA_RANGE, data_service=None,
+    data_service_job="keras_vit_train",
 ):
     """What one input pipeline (one host) feeds `fit`: batches of its share of `source`'s training files.
 
-    Sharded by file (with `input_context`), shuffled before decoding, images
-    that fail to decode skipped, augmented as `image_pipeline` does, batched
-    per replica (`global_batch_size / replicas`), and endless: `fit` is given
-    `steps_per_epoch`, the same on every host.  Made for
-    `strategy.distribute_datasets_from_function(functools.partial(training_pipeline, source, size, batch))`;
-    without a strategy, call it as it is.
+    Sharded by file (with `input_context`) and shuffled before decoding; each
+    image decoded inside its Inception crop (`decode_and_crop`: a JPEG only
+    there), resized, flipped, optionally RandAugment-ed (`randaugment`: None,
+    (num_ops, magnitude) for the published policy, or a function of (image,
+    seed)); images that fail to read or decode skipped and named in
+    `source.skipped`; batched per replica (`global_batch_size / replicas`),
+    labels one-hot; endless: `fit` is given `steps_per_epoch`, the same on
+    every host.  Every random choice is stateless, from one seed per image
+    drawn from `seed` (and the pipeline's index): the same seed gives the
+    same batches, each epoch new ones.
+
+    cache: keep the encoded bytes in memory after the first pass (what
+    big_vision caches for ImageNet), then shuffle them in a buffer of
+    `shuffle_buffer`; decoding and augmentation still run every epoch.
+    data_service: "grpc://HOST:PORT" of a tf.data service dispatcher: all of
+    the above up to the batches runs on its workers (`keras_vit.data.service`,
+    a job named after `data_service_job`), each worker with its own random
+    seeds (every worker produces the whole data set, in its own order, so no
+    host reads a share); the files that fail to decode there are named and
+    counted here all the same, those that fail to be read into the cache
+    are skipped unnamed.
+
+    Made for `strategy.distribute_datasets_from_function(functools.partial(training_pipeline, source, size,
+    batch))`; without a strategy, call it as it is.
     """
+    height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
     pipeline_id = input_context.input_pipeline_id if input_context else 0
     batch_size = input_context.get_per_replica_batch_size(global_batch_size) if input_context else global_batch_size
-    return image_pipeline(
-        source.decoded("train", input_context=input_context, shuffle=True, seed=seed),
-        image_size,
-        batch_size,
-        training=True,
-        num_classes=source.num_classes,
-        seed=seed + pipeline_id,  # Each pipeline draws its own crops.
-        crop=crop,
-        flip=flip,
-        randaugment=randaugment,
-        cache=cache,
-        # The source shuffles before decoding; what a cache replays needs shuffling after it.
-        shuffle_buffer=10_000 if cache else 0,
-        repeat=True,
-    )
+    what = "the train split"
+    if input_context is not None and input_context.num_input_pipelines > 1 and not data_service:
+        what += f" read by input pipeline {pipeline_id} of {input_context.num_input_pipelines}"
+    augment = randaugment_function(randaugment)
+    failures = source.skipped
+
+    def transform(inputs, is_end):
+        encoded, image_seed = inputs
+        encoded = tf.where(is_end, tf.constant(ONE_PIXEL_PNG), encoded)
+        image = decode_and_crop(encoded, image_seed, crop_area_range) if crop else decode_image(encoded)
+        image = resize_flip(image, image_seed, (height, width), flip=flip)
+        return augment(image, randaugment_seed(image_seed)) if augment else image
+
+    def marked_passes(context, seed, report):
+        """Passes of (image, label) marked with the failures before each (`mark_failures`); `report` turns
+        the marked elements of the cache's one pass into (outputs, label)."""
+        records, total = source.read("train", context, not cache, seed, shuffle_buffer)
+        if total < 1:
+            raise ValueError(f"No examples in {what}.")
+        if cache:
+            # The encoded bytes, read once and kept (their failures to read reported once), then shuffled.
+            def load(reference, is_end):
+                return tf.cond(is_end, lambda: tf.constant(ONE_PIXEL_PNG), lambda: source.load(reference)), reference
+
+            loaded = report(mark_failures(records, load, tf.constant("")))
+            encoded = loaded.map(lambda outputs, label: (outputs[0], label, outputs[1])).cache()
+            encoded = encoded.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+        else:
+            encoded = records.map(lambda reference, label, name: (source.load(reference), label, name))
+        # One seed pair per image, new each pass.
+        seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
+        one_pass = tf.data.Dataset.zip((encoded, seeds)).map(
+            lambda record, image_seed: ((record[0], tf.cast(image_seed, tf.int32)), record[1], record[2])
+        )
+        return mark_failures(one_pass, transform, (tf.constant(""), tf.zeros([2], tf.int32)))
+
+    if not data_service:
+        def noted(marked):
+            return note_failures(marked, failures, what, source.reload)
+
+        # Each pipeline draws its own crops.
+        ds = noted(marked_passes(input_context, seed + pipeline_id, noted)).repeat()
+        return _one_hot_batches(ds.batch(batch_size, drop_remainder=True), source.num_classes)
+
+    def on_worker():
+        """The whole pipeline as a worker runs it: every file, the random seeds drawn by the worker
+        (`on_each_worker`: fixed ones, or ones derived from a global seed, would give every worker
+        the same stream), the failures carried with the batches."""
+
+        def unreported(marked):  # Failures to read, on a worker: skipped, not named.
+            marked = marked.filter(lambda outputs, label, missing, nothing_yet, names: label >= 0)
+            return marked.map(lambda outputs, label, missing, nothing_yet, names: (outputs, label))
+
+        ds = carry_failures(marked_passes(None, None, unreported).repeat(), what)
+        return ds.batch(batch_size, drop_remainder=True)
+
+    ds = distribute(on_each_worker(on_worker), data_service, job_name=data_service_job)
+
+    def note(missing, names):
+        for count, joined in zip(missing.numpy(), names.numpy()):
+            if count:
+                record_failures(failures, count, joined, source.reload)
+        return True
+
+    def strip(images, labels, missing, names):
+        noted = tf.cond(
+            tf.reduce_any(missing > 0),
+            lambda: tf.reshape(tf.py_function(note, [missing, names], tf.bool), []),
+            lambda: tf.constant(True),
+        )
+        with tf.control_dependencies([noted]):
+            return tf.identity(images), labels
+
+    return _one_hot_batches(ds.map(strip), source.num_classes)
 
 
 def image_pipeline(
@@ -95,14 +204,12 @@ def image_pipeline(
     """Batches of (uint8 pixels, one-hot labels) from decoded (image, label) pairs.
 
     Training: shuffled with `seed` in a buffer of `shuffle_buffer` decoded
-    images (0: none, for a source that shuffles before decoding, as
-    `ImageSource.decoded(shuffle=True)` does), Inception crop and horizontal
-    flip (stateless, seeded per example: the same seed gives the same
-    batches), optional RandAugment (num_ops, magnitude);
-    `drop_remainder=True`; with `repeat`, endless, so that `fit` (given
-    `steps_per_epoch`) runs the same number of steps on every host of a
-    distributed run, whatever its share of the files and of the images that
-    fail to decode.
+    images (0: none, for a source that shuffles before decoding), Inception
+    crop and horizontal flip, optional RandAugment (None, (num_ops,
+    magnitude) or a function of (image, seed)), all stateless and seeded per
+    example (the same seed gives the same batches); `drop_remainder=True`;
+    with `repeat`, endless.  `training_pipeline` is the faster way from
+    encoded files (it decodes a JPEG inside its crop only).
     Evaluation: `center_crop_resize`, every example.  Pixels stay uint8 up to
     the model; batch mixing (MixUp, CutMix) is not done here.
     """
@@ -115,25 +222,17 @@ def image_pipeline(
         if shuffle_buffer:
             ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
         randoms = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
+        augment = randaugment_function(randaugment)
 
-        def augment(pair, rnd):
-            image, label = pair
-            return crop_flip_resize(image, tf.cast(rnd, tf.int32), (height, width), crop=crop, flip=flip), label
+        def augmented(pair, rnd):
+            (image, label), rnd = pair, tf.cast(rnd, tf.int32)
+            image = crop_flip_resize(image, rnd, (height, width), crop=crop, flip=flip)
+            return (augment(image, randaugment_seed(rnd)) if augment else image), label
 
-        ds = tf.data.Dataset.zip((ds, randoms)).map(augment, num_parallel_calls=tf.data.AUTOTUNE)
-        if randaugment:
-            rand_augment = make_randaugment(*randaugment, seed=seed)
-            ds = ds.map(lambda x, y: (rand_augment(x), y), num_parallel_calls=tf.data.AUTOTUNE)
+        ds = tf.data.Dataset.zip((ds, randoms)).map(augmented, num_parallel_calls=tf.data.AUTOTUNE)
     else:
         ds = ds.map(
             lambda x, y: (center_crop_resize(x, (height, width), crop_fraction), y),
             num_parallel_calls=tf.data.AUTOTUNE,
         )
-    ds = ds.map(lambda x, y: (x, tf.one_hot(y, num_classes)))
-    ds = ds.batch(batch_size, drop_remainder=training)
-    # Handed to `fit` as a tf.data.Dataset (evaluation), it is split by example
-    # across workers; built inside `strategy.distribute_datasets_from_function`
-    # (training), each input pipeline has read its own files and no policy applies.
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
+    return _one_hot_batches(ds.batch(batch_size, drop_remainder=training), num_classes)
