@@ -16,6 +16,7 @@ together, as libraries, without side effects.
     (64, (2, 2))
 """
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -23,6 +24,7 @@ import sys
 import time
 import types
 import uuid
+from collections.abc import Callable
 
 import keras
 import numpy as np
@@ -33,6 +35,7 @@ from ml_collections import config_flags
 import keras_vit
 from keras_vit import data as vit_data
 from keras_vit import training, visualize
+from keras_vit.data.sources import load_tfds_evaluation
 from keras_vit.variants import ViTConfig, parse_variant, to_pair
 
 # === Model and optimizer ===
@@ -52,15 +55,18 @@ def vit_config(config):
     return parse_variant(model.pop("variant"), **{k: v for k, v in model.items() if k in fields})
 
 
-def make_optimizer(config, steps, warmup_steps, recipe=None):
+def make_optimizer(config, steps, warmup_steps, recipe=None, model=None):
     """`keras_vit.training.make_optimizer` for `steps` steps with `warmup_steps` of warm-up (at most steps - 1).
 
     The optimizer, learning rate and weight decay are `recipe`'s (by default
     config's: a job with a second recipe, such as transfer's fine-tuning,
-    passes it); the decay and the gradient clipping are config's.
+    passes it); the decay and the gradient clipping are config's.  With
+    config.weight_decay_kernels_only, the weight decay reaches only the
+    kernels of `model` (big_vision's default), not its biases, norms and
+    embeddings.
     """
     recipe = recipe or config
-    return training.make_optimizer(
+    optimizer = training.make_optimizer(
         recipe.optimizer,
         recipe.learning_rate,
         steps,
@@ -69,6 +75,13 @@ def make_optimizer(config, steps, warmup_steps, recipe=None):
         decay=config.decay,
         grad_clip_norm=config.grad_clip_norm,
     )
+    if config.get("weight_decay_kernels_only") and recipe.weight_decay:
+        if model is None:
+            raise ValueError("config.weight_decay_kernels_only needs the model, to find its kernels.")
+        optimizer.exclude_from_weight_decay(
+            var_list=[w for w in model.trainable_weights if not w.name.endswith("kernel")]
+        )
+    return optimizer
 
 
 def compile_model(model, config, optimizer, *, steps_per_execution=1):
@@ -101,35 +114,65 @@ class Data:
     images that fail to decode; it is built through the strategy's
     `distribute_datasets_from_function` when a strategy is given.  The digits
     are one epoch per pass (`steps_per_epoch` equal to it is fine).
+
+    Model selection sees `validation` only, a split held out of the training
+    data.  The test split is not touched until `make_test()` is called, which
+    the job does once training is over.
     """
 
     train: tf.data.Dataset | tf.distribute.DistributedDataset
-    test: tf.data.Dataset  # batches of (uint8 pixels, one-hot labels), every example
+    validation: tf.data.Dataset | None  # batches of (uint8 pixels, one-hot labels), every example; None: none held out
+    make_test: Callable[[], tf.data.Dataset]  # the test split's batches, every example: called after training
     calibration: tf.data.Dataset  # unaugmented training images, for int8 export
     num_classes: int
     class_names: list
     num_train: int  # examples listed; the ones that fail to decode are in `skipped`
+    num_validation: int
     num_test: int
+    # What each split is: {"train" | "validation" | "test": {"data": in words, "examples": listed}}.
+    splits: dict = dataclasses.field(default_factory=dict)
     # Images skipped because they failed to read or decode (`.count`, `.paths`), filled as the
     # pipelines meet them: read it after training.
     skipped: vit_data.DecodeFailures = dataclasses.field(default_factory=vit_data.DecodeFailures)
 
 
 def image_source(config):
-    """The `keras_vit.data.ImageSource` of config.dataset ("tfds:NAME[:SPLIT]" or "folder:PATH"): the names
-    are `keras_vit.data.load_image_source`'s, which refuses any other."""
+    """The `keras_vit.data.ImageSource` of config.dataset ("tfds:NAME[:SPLIT]" or "folder:PATH"), with the
+    validation split config asks for: the names are `keras_vit.data.load_image_source`'s, which refuses any
+    other."""
     return vit_data.load_image_source(
         config.dataset,
         data_dir=config.data_dir or None,
         test_split=config.test_split or None,
         test_fraction=config.test_fraction,
         seed=config.seed,
+        validation_fraction=config.validation_fraction,
+        validation_split=config.validation_split or None,
     )
 
 
 def load_digits(config):
     """The bundled digits (`keras_vit.data.load_digits`) at config.image_size, split as config says."""
-    return vit_data.load_digits(image_size=config.image_size, test_fraction=config.test_fraction, seed=config.seed)
+    return vit_data.load_digits(
+        image_size=config.image_size, test_fraction=config.test_fraction, seed=config.seed,
+        validation_fraction=config.validation_fraction,
+    )
+
+
+def describe_digits_splits(config, digits):
+    """`Data.splits` of the digits as `load_digits(config)` split them."""
+    seed, rest = config.seed, len(digits.train) + len(digits.validation or ())
+    splits = {
+        "train": f"digits: the rest of the other {rest:,}" if digits.validation else f"digits: the other {rest:,}",
+        "test": f"digits: {config.test_fraction * 100:g}% of the 1,797 images, stratified by class (seed {seed})",
+    }
+    if digits.validation:
+        splits["validation"] = (
+            f"digits: {config.validation_fraction * 100:g}% of the other {rest:,}, stratified by class (seed {seed})"
+        )
+    counts = {"train": len(digits.train), "test": len(digits.test), "validation": len(digits.validation or ())}
+    return {name: {"data": splits[name], "examples": counts[name]} for name in ("train", "validation", "test")
+            if name in splits}
 
 
 def load_data(config, strategy=None):
@@ -148,12 +191,15 @@ def load_data(config, strategy=None):
             train=pipeline(
                 digits.train, config.batch_size, training=True, seed=config.seed, max_shift=config.max_shift
             ),
-            test=pipeline(digits.test, config.batch_size, training=False),
+            validation=pipeline(digits.validation, config.batch_size, training=False) if digits.validation else None,
+            make_test=lambda: pipeline(digits.test, config.batch_size, training=False),
             calibration=tf.data.Dataset.from_tensor_slices(digits.train.images),
             num_classes=digits.num_classes,
             class_names=digits.class_names,
             num_train=len(digits.train),
+            num_validation=len(digits.validation or ()),
             num_test=len(digits.test),
+            splits=describe_digits_splits(config, digits),
         )
     source = image_source(config)
     augment = config.augment
@@ -165,29 +211,45 @@ def load_data(config, strategy=None):
         config.batch_size,
         seed=config.seed,
         crop=augment.inception_crop,
+        crop_area_range=tuple(augment.crop_area_range),
         flip=augment.flip,
         randaugment=augment.randaugment,
         cache=config.cache,
+        shuffle_buffer=config.shuffle_buffer,
+        data_service=config.data_service or None,
     )
     pipeline = functools.partial(
         vit_data.image_pipeline,
         image_size=config.image_size,
         num_classes=source.num_classes,
         crop_fraction=config.crop_fraction,
-        cache=config.cache,
     )
     if strategy is not None:
         train = strategy.distribute_datasets_from_function(training_data)
     else:
         train = training_data(jax_input_context())
+    counts = {"train": source.num_train, "validation": source.num_validation, "test": source.num_test}
+    kind, _, rest = config.dataset.partition(":")
+    # A TFDS split by its data set and split string ("tfds:imagenet2012:train[:99%]"); a folder's in words.
+    prefix = f"tfds:{rest.partition(':')[0]}:" if kind == "tfds" else ""
     return Data(
         train=train,
-        test=pipeline(source.test, batch_size=config.batch_size, training=False),
+        validation=(
+            # Read every epoch: cached decoded with config.cache, as a small set affords.
+            pipeline(source.validation, batch_size=config.batch_size, training=False, cache=config.cache)
+            if source.num_validation else None
+        ),
+        make_test=lambda: pipeline(source.test, batch_size=config.batch_size, training=False),
         calibration=pipeline(source.train, batch_size=1, training=False).map(lambda x, y: x[0]),
         num_classes=source.num_classes,
         class_names=source.class_names,
         num_train=source.num_train,
+        num_validation=source.num_validation,
         num_test=source.num_test,
+        splits={
+            name: {"data": prefix + what, "examples": counts[name]}
+            for name, what in source.splits.items()
+        },
         skipped=source.skipped,
     )
 
@@ -220,7 +282,8 @@ def jax_input_context():
 
 
 def load_in_memory(config):
-    """The train and test splits of config.dataset as uint8 arrays (`keras_vit.data.Dataset`).
+    """The train, test and (with config.validation_fraction or validation_split) validation splits of
+    config.dataset as uint8 arrays (`keras_vit.data.Dataset`).
 
     The digits are in memory already.  A `folder:` or `tfds:` data set is
     read whole, each image resized and centre-cropped to config.image_size
@@ -237,7 +300,10 @@ def load_in_memory(config):
         images, labels = zip(*((x.numpy(), y.numpy()) for x, y in pairs))
         return vit_data.Split(np.concatenate(images), np.concatenate(labels).astype(np.int32))
 
-    dataset = vit_data.Dataset(to_arrays(source.train), to_arrays(source.test), source.num_classes, source.class_names)
+    dataset = vit_data.Dataset(
+        to_arrays(source.train), to_arrays(source.test), source.num_classes, source.class_names,
+        validation=to_arrays(source.validation) if source.num_validation else None,
+    )
     if source.skipped.count:
         logging.warning("Skipped %d images that failed to decode: %s", source.skipped.count, source.skipped.paths[:10])
     return dataset
@@ -276,6 +342,83 @@ def take(split, indices, labels=None):
     if labels is not None:
         targets = np.array([labels[int(y)] for y in targets], np.int32)
     return vit_data.Split(split.images[indices], targets)
+
+
+# === Evaluation after training ===
+
+
+def real_accuracy(logits, real_labels):
+    """ImageNet ReaL accuracy (Beyer et al. 2020, "Are we done with ImageNet?"): the share of images whose
+    top-1 prediction is one of their real labels (`real_labels`: multi-hot rows); images with no real
+    label are left out.
+
+    >>> logits = np.array([[0.1, 0.9, 0.0], [0.8, 0.1, 0.1], [0.2, 0.3, 0.5]])
+    >>> real_accuracy(logits, np.array([[0, 1, 1], [0, 1, 0], [0, 0, 0]]))
+    0.5
+    """
+    real_labels = np.asarray(real_labels)
+    labelled = real_labels.any(axis=-1)
+    if not labelled.any():
+        raise ValueError("No image has a real label: ReaL accuracy is undefined.")
+    hits = real_labels[np.arange(len(real_labels)), np.argmax(logits, axis=-1)] > 0
+    return float(hits[labelled].mean())
+
+
+def predict_with_labels(model, batches, strategy=None):
+    """(logits, labels) as NumPy arrays for every example of `batches` of (images, labels), in order.
+
+    `model.predict` runs the model, so a strategy or a keras.distribution
+    spreads the work as in training; the labels ride along through a wrapper
+    model (built under `strategy`'s scope, the model's) that returns its label
+    input beside the logits.
+    """
+    _, label_spec = batches.element_spec
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        image = keras.Input(model.input_shape[1:], dtype=model.inputs[0].dtype, name="image")
+        label = keras.Input(label_spec.shape[1:], dtype=label_spec.dtype, name="label")
+        wrapper = keras.Model({"image": image, "label": label}, [model(image), label])
+    logits, labels = wrapper.predict(batches.map(lambda x, y: {"image": x, "label": y}), verbose=0)
+    return logits, labels
+
+
+def extra_evaluations(config, model, strategy=None):
+    """`model` on each test set of config.extra_evals that is prepared in config.data_dir (ImageNet-v2,
+    ReaL, ...): {name: {"data", "examples", "accuracy"}}, or {name: {"data", "skipped": why}} (and a log
+    line) for a set that is not there.
+
+    Images are evaluated as the job's own test split (`center_crop_resize` at
+    config.image_size with config.crop_fraction).  A label that is a
+    Sequence of classes (ReaL's "real_label") gives `real_accuracy`, with
+    "examples_with_labels" beside it.
+    """
+    size = to_pair(config.image_size, "image_size")
+    results = {}
+    for name, spec in config.extra_evals.items():
+        data = f"tfds:{spec.dataset}:{spec.split}"
+        try:
+            images, count, num_classes = load_tfds_evaluation(
+                spec.dataset, spec.split, data_dir=config.data_dir or None, label_key=spec.get("label", "label")
+            )
+            if num_classes != model.output_shape[-1]:
+                raise ValueError(f"it has {num_classes} classes, the model {model.output_shape[-1]}.")
+        except ValueError as error:
+            logging.info("Skipped the extra evaluation %r on %s: %s", name, data, error)
+            results[name] = {"data": data, "skipped": str(error)}
+            continue
+        batches = images.map(
+            lambda x, y: (vit_data.center_crop_resize(x, size, config.crop_fraction), y),
+            num_parallel_calls=tf.data.AUTOTUNE,
+        ).batch(config.batch_size).prefetch(tf.data.AUTOTUNE)
+        logits, labels = predict_with_labels(model, batches, strategy)
+        result = {"data": data, "examples": count, "examples_evaluated": len(labels)}
+        if labels.ndim == 2:
+            result["accuracy"] = real_accuracy(logits, labels)
+            result["examples_with_labels"] = int(labels.any(axis=-1).sum())
+        else:
+            result["accuracy"] = float(np.mean(np.argmax(logits, axis=-1) == labels))
+        logging.info("Extra evaluation %r on %s: %s", name, data, result)
+        results[name] = result
+    return results
 
 
 # === Short runs of a fixed budget (scaling, transfer) ===

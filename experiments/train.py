@@ -5,12 +5,19 @@ r"""Trains a ViT with `model.fit` and writes the model and its metrics.
         --config.epochs=10 --workdir=/tmp/vit_digits
 
 Writes into --workdir: `model.keras` (the trained model), `best.keras` (the
-epoch with the best validation accuracy), `metrics.json`, `history.json` (this
-process's epochs), `log.csv` (every epoch, across restarts), `tensorboard/`,
-`figures/` (with --config.visualize: the
-attention and embedding figures of `keras_vit.visualize` for a few test
-images) and, while it runs, `backup/` (the state of an interrupted run; `fit`
-resumes from it when the same command is run again).
+epoch with the best accuracy on the validation split), `metrics.json`,
+`history.json` (this process's epochs), `log.csv` (every epoch, across
+restarts), `tensorboard/`, `figures/` (with --config.visualize: the attention
+and embedding figures of `keras_vit.visualize` for a few test images) and,
+while it runs, `backup/` (the state of an interrupted run; `fit` resumes from
+it when the same command is run again).
+
+Model selection never sees the test split: each epoch is validated on a
+split held out of the training data (config.validation_fraction or
+validation_split), and `best.keras` is chosen there.  The test split is read
+once training is over, for the final model and for `best.keras`, reported
+apart (`test_accuracy`, `best_test_accuracy`); `metrics.json` names the
+data behind each split under "splits".
 """
 
 import contextlib
@@ -153,7 +160,6 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
 
     # === Data ===
     dataset = common.load_data(config, strategy)
-    train_ds, test_ds = dataset.train, dataset.test
     steps_per_epoch = dataset.num_train // config.batch_size
     if steps_per_epoch < 1:
         raise ValueError(
@@ -165,6 +171,11 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
         raise ValueError(
             f"config.num_classes={expected_classes} but the data set {config.dataset!r} has "
             f"{dataset.num_classes} classes."
+        )
+    if dataset.validation is None:
+        logging.warning(
+            "No validation split (config.validation_fraction=0 and no validation_split): no per-epoch "
+            "validation and no best.keras."
         )
 
     # Checks passed: from here on the run writes and trains.
@@ -185,7 +196,7 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
         common.compile_model(
             model,
             config,
-            common.make_optimizer(config, total_steps, warmup_steps),
+            common.make_optimizer(config, total_steps, warmup_steps, model=model),
             # Several steps per call: what keeps a TPU busy.
             steps_per_execution=config.steps_per_execution,
         )
@@ -198,14 +209,18 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
             seed=config.seed,
         )
 
-    # === Train ===
+    # === Train: validated on the validation split, never the test split ===
     throughput = Throughput()
+    best_path = tf.io.gfile.join(workdir, "best.keras")
+    selection = []
+    if dataset.validation is not None:
+        selection = [keras.callbacks.ModelCheckpoint(best_path, monitor="val_accuracy", save_best_only=True)]
     history = model.fit(
-        train_ds,
+        dataset.train,
         epochs=config.epochs,
         # Image sets repeat: each host runs the same steps whatever its share of skipped files.
         steps_per_epoch=steps_per_epoch,
-        validation_data=test_ds,
+        validation_data=dataset.validation,
         callbacks=[
             # The state of an interrupted run: a killed run started again with the
             # same command resumes from here, losing at most `backup_every` steps.
@@ -213,9 +228,7 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
                 tf.io.gfile.join(workdir, "backup"), save_freq=config.backup_every
             ),
             keras.callbacks.TerminateOnNaN(),
-            keras.callbacks.ModelCheckpoint(
-                tf.io.gfile.join(workdir, "best.keras"), monitor="val_accuracy", save_best_only=True
-            ),
+            *selection,
             training.CSVLog(tf.io.gfile.join(workdir, "log.csv")),
             keras.callbacks.TensorBoard(tf.io.gfile.join(workdir, "tensorboard")),
             throughput,
@@ -224,12 +237,13 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
         verbose=config.verbose,  # 1: a progress bar, 2: a line per epoch (logs)
     )
 
-    # === Evaluate and save ===
+    # === Evaluate (the test split, first read now) and save ===
+    test_ds = dataset.make_test()
     test_loss, test_accuracy = model.evaluate(test_ds, verbose=0)
     model_path = tf.io.gfile.join(workdir, "model.keras")
     model.save(model_path)
     metrics = {
-        "test_accuracy": float(test_accuracy),
+        "test_accuracy": float(test_accuracy),  # The final model's.
         "test_loss": float(test_loss),
         "epochs": int(config.epochs),
         "steps": int(model.optimizer.iterations.numpy()),
@@ -237,12 +251,19 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
             steps_per_epoch * config.batch_size
         ),
         "train_examples": dataset.num_train,
+        "validation_examples": dataset.num_validation,
         "test_examples": dataset.num_test,
+        # The data behind each figure: train_*, validation_* / best_validation_*, test_* / best_test_*.
+        "splits": dataset.splits,
         "parameters": int(model.count_params()),
         # Images that failed to read or decode, skipped (this host's share of the files).
         "skipped_files": dataset.skipped.count,
         "skipped_examples": dataset.skipped.paths[:100],
     }
+    if dataset.validation is not None:
+        metrics["validation_loss"], metrics["validation_accuracy"] = map(
+            float, model.evaluate(dataset.validation, verbose=0)
+        )
     # Did the position embeddings learn the grid structure of the paper's Figure 7?
     metrics.update(visualize.neighbour_similarity(visualize.position_embedding_similarity(model)))
     if config.visualize:
@@ -252,6 +273,20 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
             visualize.write_figures(model, image, figures, prefix=f"test{i}_")
     for kind in exports:
         metrics[f"export_{kind}"] = export_model(model, kind, workdir, dataset)
+    extra = common.extra_evaluations(config, model, strategy)
+
+    # === best.keras, the model selected on the validation split, on the same data ===
+    if selection and tf.io.gfile.exists(best_path):
+        model.load_weights(best_path)  # The final model is saved; the variables are reused.
+        metrics["best_validation_loss"], metrics["best_validation_accuracy"] = map(
+            float, model.evaluate(dataset.validation, verbose=0)
+        )
+        metrics["best_test_loss"], metrics["best_test_accuracy"] = map(float, model.evaluate(test_ds, verbose=0))
+        for name, result in common.extra_evaluations(config, model, strategy).items():
+            if "accuracy" in result:
+                extra[name]["best_accuracy"] = result["accuracy"]
+    if extra:
+        metrics["extra_evals"] = extra
     common.write_json(tf.io.gfile.join(workdir, "metrics.json"), metrics)
     common.write_json(
         tf.io.gfile.join(workdir, "history.json"), {k: [float(v) for v in vs] for k, vs in history.history.items()}

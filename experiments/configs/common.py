@@ -19,12 +19,25 @@ def get_base_config():
     config.num_classes = 0  # If set, must equal the data set's class count.
     config.image_size = 224
     config.test_fraction = 0.2  # Held-out share when a data set has no test split.
+    # Model selection (per-epoch validation, best.keras) uses a validation split taken from the training
+    # data, never the test split: this share of the training examples (stratified for the digits and
+    # folders; for TFDS the end of the training split: 0.01 gives "train[:99%]" / "train[99%:]"), or for
+    # TFDS the split named in validation_split (e.g. "train[99%:]" with dataset "tfds:NAME:train[:99%]").
+    # A folder's validation/ subfolder, when present, is the validation split.
+    config.validation_fraction = 0.1
+    config.validation_split = ""
     config.crop_fraction = 1.0  # Evaluation: the central fraction kept.
-    config.cache = False
+    config.cache = False  # Image sets: keep the encoded bytes in memory after the first epoch.
+    config.shuffle_buffer = 10_000  # Image sets: examples shuffled per input pipeline (host).
+    # "grpc://HOST:PORT" of a tf.data service dispatcher: the training input pipeline runs on its workers
+    # (python -m experiments.data_service); empty: on this host.
+    config.data_service = ""
     config.max_shift = 0  # digits only: random translation in pixels.
     config.augment = ml_collections.ConfigDict(
         {
             "inception_crop": True,
+            # Of the image's area, the range the Inception crop draws from (timm and Keras: 8-100%).
+            "crop_area_range": (0.08, 1.0),
             "flip": True,
             "randaugment": None,  # (num_ops, magnitude)
             # MixUp / CutMix, on the device inside the training step (keras_vit.enable_batch_mixing);
@@ -61,6 +74,7 @@ def get_base_config():
     config.optimizer = "adamw"  # or "sgd"
     config.learning_rate = 1e-3
     config.weight_decay = 0.0
+    config.weight_decay_kernels_only = False  # True: biases, norms and embeddings are not decayed (big_vision).
     config.warmup_epochs = 0
     config.warmup_steps = 0  # Wins over warmup_epochs when set.
     config.decay = "cosine"  # or "linear"
@@ -78,7 +92,11 @@ def get_base_config():
     # Exports into workdir/export, comma separated: saved_model, tflite,
     # tflite_float16, tflite_dynamic, tflite_int8, onnx.
     config.export = ""
-    # Figures of keras_vit.visualize for the first few test images, in workdir/figures.
+    # Figures of keras_vit.visualize for the first few test images (after training), in workdir/figures.
     config.visualize = False
     config.visualize_images = 2
+    # More test sets, evaluated after training when prepared in data_dir (skipped with a log line when
+    # not): {name: {"dataset": TFDS name, "split": ..., "label": a ClassLabel feature, or a Sequence of
+    # them for ReaL-style multi-label accuracy}}.
+    config.extra_evals = ml_collections.ConfigDict()
     return config
