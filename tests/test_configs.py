@@ -11,7 +11,8 @@ CONFIGS = {
     # module: (variant, image size, parameters of the model the config builds)
     "digits": ("Ti/2", 16, 139_722),
     "cifar10_b16": ("B/16", 384, 86_567_656 - 769_000 + 7_690 + (577 - 197) * 768),
-    "imagenet_s16": ("S/16", 224, 22_049_896 - 196 * 384),  # Fixed sin-cos position embeddings: no weights.
+    # Fixed sin-cos position embeddings (no weights) and a pre-logits layer of 384 (rep_size=True).
+    "imagenet_s16": ("S/16", 224, 22_049_896 - 196 * 384 + 384 * 384 + 384),
 }
 
 
@@ -48,3 +49,51 @@ def test_unknown_dataset_and_class_mismatch(tmp_path):
     with pytest.raises(ValueError, match="num_classes=100 but the data set 'digits' has 10 classes"):
         train.train_and_evaluate(config, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_imagenet_s16_is_big_vision_vit_s16_i1k():
+    """The points of big_vision's configs/vit_s16_i1k.py that are config fields here (the docstring names
+    the differences)."""
+    from experiments.configs import imagenet_s16
+
+    config = imagenet_s16.get_config()
+    assert (config.dataset, config.validation_split, config.test_split) == (
+        "tfds:imagenet2012:train[:99%]", "train[99%:]", "validation"
+    )
+    assert config.cache and config.shuffle_buffer == 250_000
+    assert (config.batch_size, config.epochs, config.learning_rate, config.warmup_steps) == (1024, 90, 1e-3, 10_000)
+    assert config.weight_decay * config.learning_rate == pytest.approx(1e-4) and config.weight_decay_kernels_only
+    assert config.grad_clip_norm == 1.0 and config.decay == "cosine" and config.label_smoothing == 0.0
+    assert tuple(config.augment.crop_area_range) == (0.05, 1.0) and tuple(config.augment.randaugment) == (2, 10)
+    assert config.augment.mixup_alpha == 0.2 and config.augment.cutmix_alpha == 0.0
+    assert dict(config.model) == {
+        "variant": "S/16", "classifier": "gap", "position_embedding": "sincos2d", "representation_size": 384,
+        "dropout_rate": 0.0, "attention_dropout_rate": 0.0, "stochastic_depth_rate": 0.0, "gelu": "exact",
+    }
+    assert {name: (e.dataset, e.split, e.label) for name, e in config.extra_evals.items()} == {
+        "v2": ("imagenet_v2", "test", "label"), "real": ("imagenet2012_real", "validation", "real_label"),
+    }
+
+
+@pytest.mark.parametrize("shape", [(375, 500), (500, 333), (256, 256), (480, 640), (221, 300)])
+def test_imagenet_s16_evaluation_crop_is_big_vision_resize_small_256_central_crop_224(shape):
+    """crop_fraction 0.875 at 224 against big_vision's `resize_small(256)|central_crop(224)` (TensorFlow's
+    "area" resize, sizes rounded, cast to uint8), on smooth photo-like images: the same region, resampled
+    a little differently (bilinear with antialiasing): within 1.25 grey levels on average, 8 at most."""
+    import numpy as np
+    import tensorflow as tf
+
+    from experiments.configs import imagenet_s16
+    from keras_vit import data as vit_data
+
+    config = imagenet_s16.get_config()
+    height, width = shape
+    coarse = np.random.default_rng(height * width).uniform(0, 255, (1, 6, 8, 3)).astype(np.float32)
+    image = tf.cast(tf.clip_by_value(tf.round(tf.image.resize(coarse, shape, method="bicubic")[0]), 0, 255), tf.uint8)
+    ours = vit_data.center_crop_resize(image, (config.image_size,) * 2, config.crop_fraction).numpy()
+    ratio = 256 / min(shape)
+    resized = tf.image.resize(tf.cast(image, tf.float32), (round(height * ratio), round(width * ratio)), "area")
+    top, left = (resized.shape[0] - 224) // 2, (resized.shape[1] - 224) // 2
+    theirs = tf.cast(tf.clip_by_value(resized[top:top + 224, left:left + 224], 0, 255), tf.uint8).numpy()
+    difference = np.abs(ours.astype(int) - theirs.astype(int))
+    assert ours.shape == (224, 224, 3) and difference.mean() < 1.25 and difference.max() <= 8, difference.mean()

@@ -85,6 +85,13 @@ def test_main_job_with_defaults_reaches_97_percent(digits_main_job):
     assert metrics["test_accuracy"] >= 0.97, metrics
     assert metrics["epochs"] == 60 and metrics["train_images_per_second"] > 0
     assert np.isfinite(metrics["test_loss"])
+    # Model selection on the validation split (10% of the training images); the test split read after training,
+    # for the final model and for best.keras.
+    assert {name: split["examples"] for name, split in metrics["splits"].items()} == {
+        "train": 1293, "validation": 144, "test": 360
+    }
+    assert metrics["best_test_accuracy"] >= 0.95 and metrics["best_validation_accuracy"] >= 0.95, metrics
+    assert metrics["steps"] == 60 * (1293 // 64)
 
     # The saved model is the trained one: it reproduces the reported accuracy.
     model = keras.saving.load_model(workdir / "model.keras")
@@ -228,7 +235,7 @@ def test_a_killed_run_resumes_from_its_backup(tmp_path):
 
     stdout = run_module("experiments.train", *args[3:])
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    steps_per_epoch = 1437 // 64
+    steps_per_epoch = 1293 // 64  # 1,437 training images less the 144 held out for validation
     assert metrics["steps"] == 4 * steps_per_epoch  # the same as an uninterrupted run
     history = json.loads((tmp_path / "history.json").read_text())
     assert len(history["loss"]) == 2  # only epochs 3-4 ran again
@@ -302,7 +309,7 @@ def test_mirrored_over_two_cpu_devices_with_the_default_config(mirrored_runs):
     assert run["mirrored"] == run["weights"] > 0
     assert run["largest_gap"] == 0.0
     metrics = json.loads((workdir / "metrics.json").read_text())
-    assert metrics["steps"] == 2 * (1437 // 64)
+    assert metrics["steps"] == 2 * (1293 // 64)  # 1,437 training images less 144 for validation
     loss = json.loads((workdir / "history.json").read_text())["loss"]
     assert loss[1] < loss[0], loss  # It learns (the warm-up lasts 5 epochs).
 
@@ -369,7 +376,8 @@ print(json.dumps({{n: tf.io.gfile.exists("ram://run/" + n) for n in names + [met
     lines = stdout.strip().splitlines()
     metrics, exists = json.loads(lines[-2]), json.loads(lines[-1])
     # 25 files listed by name; the corrupt one is skipped when the pipeline decodes it, and named.
-    assert metrics["train_examples"] + metrics["test_examples"] == 25
+    assert metrics["train_examples"] + metrics["validation_examples"] + metrics["test_examples"] == 25
+    assert (metrics["validation_examples"], metrics["test_examples"]) == (2, 5)
     assert metrics["skipped_files"] == 1 and metrics["skipped_examples"] == [f"{root}/cat/broken.png"]
     assert metrics["steps"] == 2 * (metrics["train_examples"] // 4)
     assert metrics["export_tflite_int8"] == "ram://run/export/tflite_int8.tflite"
@@ -396,7 +404,7 @@ def test_the_training_command_on_jax_spreads_over_every_device(tmp_path, flags, 
     assert result.returncode == 0, output[-3000:]
     assert f"Distribution: {expected}" in output, output[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["steps"] == 1437 // 64 and np.isfinite(metrics["test_loss"])
+    assert metrics["steps"] == 1293 // 64 and np.isfinite(metrics["test_loss"])
 
 
 JAX_HOSTS_SCRIPT = """
