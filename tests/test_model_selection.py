@@ -440,3 +440,25 @@ def test_weight_decay_on_the_kernels_only():
     assert decayed == [w.path for w in model.trainable_weights if w.name.endswith("kernel")]
     assert {path.split("/")[0] for path in decayed} >= {"patch_encoder", "pre_logits", "head"}
     assert len(decayed) < len(model.trainable_weights) // 2  # biases, norms, class token, position embedding
+
+
+def test_the_config_reaches_the_training_pipeline(tmp_path, monkeypatch):
+    """config.shuffle_buffer, data_service, cache and the crop's area range are what training_pipeline is
+    given; an empty data_service is None (the pipeline runs here)."""
+    root = write_folder(tmp_path / "images", per_class=4, size=(12, 10))
+    seen = []
+
+    def training_pipeline(source, image_size, batch_size, input_context=None, **kwargs):
+        seen.append(kwargs)
+        return tf.data.Dataset.range(1)
+
+    monkeypatch.setattr(vit_data, "training_pipeline", training_pipeline)
+    config = digits_config.get_config()
+    config.dataset, config.shuffle_buffer, config.cache = f"folder:{root}", 123, True
+    config.data_service, config.augment.crop_area_range = "grpc://localhost:5050", (0.05, 1.0)
+    common.load_data(config)
+    config.data_service = ""
+    common.load_data(config)
+    assert [(k["shuffle_buffer"], k["cache"], k["crop_area_range"], k["data_service"]) for k in seen] == [
+        (123, True, (0.05, 1.0), "grpc://localhost:5050"), (123, True, (0.05, 1.0), None)
+    ]
