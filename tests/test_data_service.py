@@ -26,52 +26,78 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_worker_process(dispatcher_port):
-    """`python -m experiments.data_service --role=worker ...` on a free port; returns the process once it serves."""
-    process = subprocess.Popen(
-        [sys.executable, "-u", "-m", "experiments.data_service", "--role=worker",
-         f"--dispatcher=127.0.0.1:{dispatcher_port}", f"--port={free_port()}"],
-        cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True,
-    )
-    return process
+class Servers:
+    """Two worker processes, and with `work_dir` a dispatcher process journaling there, started at once.
 
+    Their output goes to files in the folder `logs`.  `address()` waits until they serve, so that a test
+    can do something else while they start; `stop()` terminates them."""
 
-def wait_until_serving(process, timeout=120):
-    """Reads the process's output up to its "serving" line (printed once the worker has registered)."""
-    deadline, seen = time.monotonic() + timeout, []
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line and process.poll() is not None:
-            break
-        seen.append(line)
-        if line.startswith("tf.data service worker on port"):
-            return line
-    raise AssertionError("The worker did not start:\n" + "".join(seen[-30:]))
+    def __init__(self, logs, dispatcher_port, *, work_dir=None):
+        self.port, self.started = dispatcher_port, []
+        try:
+            if work_dir:
+                self.start(logs / "dispatcher.log", "--role=dispatcher", f"--port={dispatcher_port}",
+                           f"--work_dir={work_dir}")
+            for i in range(2):
+                self.start(logs / f"worker{i}.log", "--role=worker", f"--dispatcher=127.0.0.1:{dispatcher_port}",
+                           f"--port={free_port()}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def start(self, log, *flags):
+        with open(log, "w") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-u", "-m", "experiments.data_service", *flags],
+                cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), stdout=out, stderr=subprocess.STDOUT,
+            )
+        self.started.append((process, log))
+
+    def address(self, timeout=180):
+        """The dispatcher's address, once every process prints that it serves (a worker: once registered)."""
+        deadline = time.monotonic() + timeout
+        for process, log in self.started:
+            while "tf.data service " not in log.read_text():
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"{log.name} did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(0.2)
+        return f"grpc://127.0.0.1:{self.port}"
+
+    def stop(self):
+        for process, _ in self.started:
+            process.terminate()
+        for process, _ in self.started:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 @pytest.fixture
-def cluster():
+def cluster(tmp_path):
     """A dispatcher in this process and two worker processes; yields the dispatcher's address."""
     dispatcher = service.start_dispatcher(free_port())
-    workers = []
     try:
-        port = service.parse_address(dispatcher.target)[1]
-        workers = [start_worker_process(port) for _ in range(2)]
-        for worker in workers:
-            wait_until_serving(worker)
-        yield f"grpc://127.0.0.1:{port}"
+        servers = Servers(tmp_path, service.parse_address(dispatcher.target)[1])
+        try:
+            yield servers.address()
+        finally:
+            servers.stop()
     finally:
-        for worker in workers:
-            worker.terminate()
-        for worker in workers:
-            try:
-                worker.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
-            worker.stdout.close()
         dispatcher.stop()
+
+
+@pytest.fixture
+def deployed(tmp_path):
+    """A dispatcher process (fault tolerant: journaling into tmp_path/dispatcher) and two worker processes,
+    as `python -m experiments.data_service` starts them, still starting; yields (Servers, journal folder)."""
+    work_dir = tmp_path / "dispatcher"
+    servers = Servers(tmp_path, free_port(), work_dir=work_dir)
+    try:
+        yield servers, work_dir
+    finally:
+        servers.stop()
 
 
 def test_addresses_and_arguments_are_checked():
@@ -128,9 +154,10 @@ def test_two_worker_processes_serve_a_pipeline(cluster):
 
 
 @pytest.mark.slow
-def test_training_through_the_service_runs_the_same_steps(cluster, tmp_path):
+def test_training_through_the_service_runs_the_same_steps(deployed, tmp_path):
     """experiments.train on a folder of images, its input pipeline run by the two workers: as many steps
     as the same run on this host, finite metrics."""
+    servers, journal = deployed
     from experiments import train
     from experiments.configs import digits
     from tests.test_data import write_folder
@@ -147,7 +174,14 @@ def test_training_through_the_service_runs_the_same_steps(cluster, tmp_path):
         config.data_service = data_service
         return train.train_and_evaluate(config, str(tmp_path / ("service" if data_service else "local")))
 
-    local, served = run(""), run(cluster)
+    def jobs():
+        """The bytes of the dispatcher's journal: the datasets registered and the jobs made, by name."""
+        return b"".join(path.read_bytes() for path in journal.rglob("*") if path.is_file())
+
+    local = run("")  # While the servers start.
+    assert b"keras_vit_train" not in jobs()
+    served = run(servers.address())
+    assert b"keras_vit_train-" in jobs()  # The training pipeline's job: read from the workers.
     assert served["steps"] == local["steps"] > 0
     assert served["steps"] == 2 * (served["train_examples"] // 4)
     for metrics in (local, served):
