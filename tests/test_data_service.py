@@ -156,13 +156,14 @@ def test_two_worker_processes_serve_a_pipeline(cluster):
 @pytest.mark.slow
 def test_training_through_the_service_runs_the_same_steps(deployed, tmp_path):
     """experiments.train on a folder of images, its input pipeline run by the two workers: as many steps
-    as the same run on this host, finite metrics."""
+    as the same run on this host, finite metrics, and the training image that fails to decode (on a
+    worker, graph-only) skipped and named here."""
     servers, journal = deployed
     from experiments import train
     from experiments.configs import digits
     from tests.test_data import write_folder
 
-    root = write_folder(tmp_path / "images", per_class=10, size=(24, 20))
+    root = write_folder(tmp_path / "images", per_class=10, size=(24, 20), corrupt=["cat/broken.png"])
 
     def run(data_service):
         config = digits.get_config()
@@ -184,6 +185,9 @@ def test_training_through_the_service_runs_the_same_steps(deployed, tmp_path):
     assert b"keras_vit_train-" in jobs()  # The training pipeline's job: read from the workers.
     assert served["steps"] == local["steps"] > 0
     assert served["steps"] == 2 * (served["train_examples"] // 4)
+    # The broken file falls in the training split (the split's seed is fixed): only the workers decode it.
+    assert served["skipped_files"] == local["skipped_files"] == 1
+    assert served["skipped_examples"] == local["skipped_examples"] == [f"{root}/cat/broken.png"]
     for metrics in (local, served):
         finite = {key: value for key, value in metrics.items() if isinstance(value, float)}
         assert "test_accuracy" in finite and all(math.isfinite(value) for value in finite.values()), finite
