@@ -25,8 +25,9 @@ stream, and the client reads each batch once per worker.  (Model Garden
 passes `seed=None`, which gives each worker its own draw only while no global
 seed is set.)  `on_each_worker` builds the pipeline with no graph seed, so
 that its unseeded ops draw their seeds on each worker when it starts the
-pipeline, whatever the client's seeds: the workers' streams are independent.  A run through the service is therefore
-reproducible in its number of steps, not batch for batch.
+pipeline, whatever the client's seeds: the workers' streams are independent.
+A run through the service is therefore reproducible in its number of steps,
+not batch for batch.
 
 The workers run the serialized graph, nothing else.  `tf.py_function` and
 `tf.numpy_function` call Python functions registered in the process that
