@@ -24,7 +24,7 @@ def define_flags():
     """The job's flags, defined when it runs as a program (`common.run_job`), not on import."""
     return {
         "role": flags.DEFINE_enum("role", None, ["dispatcher", "worker"], "What this process serves.", required=True),
-        "port": flags.DEFINE_integer("port", 0, "Port to serve on (0: any free port, logged)."),
+        "port": flags.DEFINE_integer("port", 0, "Port to serve on (0: any free port)."),
         "work_dir": flags.DEFINE_string(
             "work_dir", None, "Dispatcher: a folder (local or gs://) for its journal; with it, a restarted "
             "dispatcher (same --work_dir and --port) resumes the registered datasets and jobs."
