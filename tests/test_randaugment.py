@@ -233,24 +233,27 @@ def test_each_op_is_drawn_one_time_in_16():
 
 def test_only_the_drawn_op_is_computed():
     """The traced policy holds one switch per draw, whose 16 branches are the ops; the op-specific kernels
-    (the projective transform, the smoothing convolution, the histogram) live only inside the branches."""
+    (the projective transform, the smoothing convolution, the histogram, the grey-scale product, the random
+    draws of sign and position) live only inside the branches, each in the ops that need it."""
     graph = traced_policy().get_concrete_function().graph.as_graph_def()
     functions = {function.signature.name: function for function in graph.library.function}
-    outer = {node.op for node in graph.node}
     switches = [node for node in graph.node if node.op in ("Case", "StatelessCase")]
     assert len(switches) == 2
-    specific = {"ImageProjectiveTransformV3", "DepthwiseConv2dNative", "DenseBincount", "Bincount"}
-    assert not outer & specific, outer & specific
+    kernels_of = {
+        "ImageProjectiveTransformV3": ["Rotate", "ShearX", "ShearY"],
+        "DepthwiseConv2dNative": ["Sharpness"],
+        "Bincount": ["Equalize"],
+        "MatMul": ["Color", "Contrast"],
+        "StatelessRandomUniformV2": ["Rotate", "ShearX", "ShearY", "TranslateX", "TranslateY", "Cutout"],
+    }
+    outer = {node.op for node in graph.node}
+    assert not outer & set(kernels_of), outer & set(kernels_of)
     for switch in switches:
         branches = [functions[branch.name] for branch in switch.attr["branches"].list.func]
         assert len(branches) == len(RANDAUGMENT_OPS)
-        kernels = [{node.op for node in branch.node_def} for branch in branches]
-        with_transform = [RANDAUGMENT_OPS[i] for i, ops in enumerate(kernels) if "ImageProjectiveTransformV3" in ops]
-        assert with_transform == list(GEOMETRIC)
-        assert [RANDAUGMENT_OPS[i] for i, ops in enumerate(kernels) if "DepthwiseConv2dNative" in ops] == ["Sharpness"]
-        assert [RANDAUGMENT_OPS[i] for i, ops in enumerate(kernels) if ops & {"DenseBincount", "Bincount"}] == [
-            "Equalize"
-        ]
+        kernels = [{node.op.replace("DenseBincount", "Bincount") for node in branch.node_def} for branch in branches]
+        for kernel, ops in kernels_of.items():
+            assert [name for name, used in zip(RANDAUGMENT_OPS, kernels) if kernel in used] == ops, kernel
 
 
 def test_bad_arguments():
@@ -261,3 +264,7 @@ def test_bad_arguments():
         apply_op(image.astype(np.float32), "Invert", 5, tf.constant([0, 0]))
     with pytest.raises(ValueError, match="num_ops"):
         rand_augment(image, tf.constant([0, 0]), -1)
+    with pytest.raises(ValueError, match="magnitude"):
+        rand_augment(image, tf.constant([0, 0]), 2, tf.constant(9.0))  # a Python number: the arguments are Python's
+    with pytest.raises(ValueError, match="magnitude"):
+        apply_op(image, "Rotate", float("nan"), tf.constant([0, 0]))

@@ -31,11 +31,19 @@ integer and float32 arithmetic.
 Garden's RandAugment draws from 17, the 17th leaving the image as it is) and computes only the drawn one
 (`tf.switch_case`). Everything random comes from the per-image `seed`, an int32 pair: the same seed gives the
 same image, and the pipeline gives each image of each epoch its own.
+
+Cost: the magnitude is a Python number and every op's argument is computed from it in Python, as the reference
+computes it, so the graph holds only the image work. That keeps each of the 16 branches small, which matters:
+TensorFlow runs `tf.switch_case` in a tf.data map as switch/merge, and every node of the 15 branches not taken
+still costs about a microsecond per image. On whole images, `tf.where` and `tf.gather` cost about ten times
+element-wise arithmetic, so the ops compute PIL's integers with arithmetic wherever it gives the same ones.
 """
 
 import functools
 import math
+import numbers
 
+import numpy as np
 import tensorflow as tf
 
 RANDAUGMENT_OPS = (
@@ -59,203 +67,260 @@ RANDAUGMENT_OPS = (
 
 _MAX_LEVEL = 10.0  # the top of the magnitude scale, M = 10 <=> m = 1
 _FILL_VALUE = 128  # grey: what the geometric ops bring in from outside the image, and Cutout's colour
+_PACKED_FILL = float(-(0x100000000 - 0x80808080))  # four bytes of 128 as one int32 (exact in float32)
 _TRANSLATE_CONST = 100.0  # pixels at M = 10
 _CUTOUT_CONST = 40.0  # half the side of the Cutout square at M = 10
 
-# PIL's RGB -> "L" conversion (libImaging/Convert.c): L = (19595 R + 38470 G + 7471 B + 0x8000) >> 16.
-_GREY_WEIGHTS = (19595, 38470, 7471)
+# PIL's RGB -> "L" conversion (libImaging/Convert.c): L = (19595 R + 38470 G + 7471 B + 0x8000) >> 16. In float32
+# the weighted sum (below 2 ** 24) and the division by 2 ** 16 are exact.
+_GREY_WEIGHTS = np.array([19595.0, 38470.0, 7471.0], np.float32)
+
+# PIL's SMOOTH filter, [[1, 1, 1], [1, 5, 1], [1, 1, 1]] / 13, for a depthwise convolution of 3 channels.
+_SMOOTH = np.tile(np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32)[:, :, None, None], [1, 1, 3, 1])
 
 
-def _lookup(image, table):
-    """Maps every uint8 value through `table` (256 entries, or 3 x 256: one per channel), as PIL's `point`."""
-    index = tf.cast(image, tf.int32)
-    if table.shape.rank == 2:
-        index += tf.constant([0, 256, 512])
-        table = tf.reshape(table, [-1])
-    return tf.gather(tf.cast(table, tf.uint8), index)
+def _arguments(magnitude):
+    """Every op's argument at `magnitude`, in Python, with the reference's arithmetic, clamped where needed."""
+    if isinstance(magnitude, bool) or not isinstance(magnitude, numbers.Real) or not math.isfinite(magnitude):
+        raise ValueError(f"`magnitude` must be a finite Python number (M on the 0-10 scale). Received: {magnitude!r}")
+    m = max(float(magnitude), 0.0) / _MAX_LEVEL
+    return {
+        "degrees": m * 30.0,
+        "shear": m * 0.3,
+        "pixels": m * _TRANSLATE_CONST,
+        "bits": min(int(m * 4), 8),
+        "threshold": min(int(m * 256), 256),
+        "addition": min(int(m * 110), 255),
+        "factor": m * 1.8 + 0.1,
+        "half": int(m * _CUTOUT_CONST),
+    }
 
 
-def _blend(degenerate, image, factor):
+def _blend(degenerate, pixels, factor):
     """PIL's `Image.blend(degenerate, image, factor)` (what `ImageEnhance` computes): in float32, truncated.
 
-    `degenerate` and `image` are float32 and broadcast; `factor` is a float64 scalar, rounded to float32 as
-    PIL's C code takes it.
+    `degenerate` and `pixels` are float32 and broadcast; `factor` is rounded to float32 as PIL's C code takes
+    it. At factor 1 PIL copies the image, and so does this.
     """
-    factor = tf.cast(factor, tf.float32)
-    return tf.cast(tf.clip_by_value(degenerate + factor * (image - degenerate), 0.0, 255.0), tf.uint8)
+    if factor == 1.0:
+        return tf.cast(pixels, tf.uint8)
+    blended = degenerate + np.float32(factor) * (pixels - degenerate)
+    return tf.cast(tf.clip_by_value(blended, 0.0, 255.0), tf.uint8)
 
 
-def _grey(image):
-    """PIL's grey-scale ("L") image of a uint8 RGB image, int32 (H, W)."""
-    weighted = tf.reduce_sum(tf.cast(image, tf.int32) * tf.constant(_GREY_WEIGHTS), axis=-1)
-    return tf.bitwise.right_shift(weighted + 0x8000, 16)
+def _grey(pixels, channels):
+    """PIL's grey-scale ("L") image of float32 RGB `pixels`, float32 (H, W, `channels`): 1, or 3 copies."""
+    weighted = tf.reshape(pixels, [-1, 3]) @ np.tile(_GREY_WEIGHTS[:, None], [1, channels])
+    shape = tf.concat([tf.shape(pixels)[:2], [channels]], 0)
+    return tf.reshape(tf.floor((weighted + 32768.0) / 65536.0), shape)
 
 
-def _enhance_factor(m):
-    return m * 1.8 + 0.1
+def _box(height, width, top, box_height, left, box_width):
+    """A uint8 (height, width, 3) mask: 1 in the box, 0 elsewhere (padding is cheaper than broadcasting)."""
+    ones = tf.ones(tf.stack([box_height, box_width, 3]), tf.uint8)
+    return tf.pad(ones, [[top, height - top - box_height], [left, width - left - box_width], [0, 0]])
 
 
-def _signed(value, seed):
-    """`value` or `-value`, even odds, from `seed`."""
-    return tf.where(tf.random.stateless_uniform([], seed) < 0.5, -value, value)
+def _negative(seed):
+    """True or False, even odds, from `seed`: whether rotate, shear or translate goes the other way."""
+    return tf.random.stateless_uniform([], seed) < 0.5
 
 
-def _affine(image, a, b, c, d, e, f):
-    """PIL's `Image.transform(size, AFFINE, (a, b, c, d, e, f), NEAREST, fillcolor=grey)` of a uint8 image.
+def _size(image):
+    """(height, width): Python ints where the shape is static, else int32 scalars."""
+    height, width = image.shape[0], image.shape[1]
+    if height is None or width is None:
+        height, width, _ = tf.unstack(tf.shape(image), 3)
+    return height, width
+
+
+def _transform(a, b, c, d, e, f):
+    """TensorFlow's transform (float32 [8]) for PIL's affine coefficients (Python floats or float64 scalars).
 
     PIL maps each output pixel's centre (x + 0.5, y + 0.5) to (a x + b y + c, d x + e y + f) in the input,
     in coordinates where pixel i spans [i, i + 1), and takes the pixel there. TensorFlow's transform maps
     the output index (x, y) and rounds to the nearest index, so the offsets shift by half a pixel.
-    Arguments are float64 scalars.
     """
-    offset_x = c + 0.5 * (a + b) - 0.5
-    offset_y = f + 0.5 * (d + e) - 0.5
-    zero = tf.zeros([], tf.float64)
-    transform = tf.cast(tf.stack([a, b, offset_x, d, e, offset_y, zero, zero]), tf.float32)
+    row = [a, b, c + 0.5 * (a + b) - 0.5, d, e, f + 0.5 * (d + e) - 0.5, 0.0, 0.0]
+    if all(isinstance(value, float) for value in row):
+        return np.array(row, np.float32)  # computed in Python's float64, rounded once, as TensorFlow would
+    return tf.cast(tf.stack([tf.convert_to_tensor(value, tf.float64) for value in row]), tf.float32)
+
+
+def _affine(image, plus, minus, seed):
+    """PIL's `Image.transform(size, AFFINE, coefficients, NEAREST, fillcolor=grey)` of a uint8 image, with the
+    coefficients `plus` or `minus` (6-tuples, see `_transform`), even odds from `seed`."""
+    transform = tf.where(_negative(seed), _transform(*minus), _transform(*plus))
+    # One int32 per pixel (RGB and a grey fourth byte): the transform then finds each pixel's source once, not
+    # once per channel.
+    packed = tf.bitcast(tf.pad(image, [[0, 0], [0, 0], [0, 1]], constant_values=_FILL_VALUE), tf.int32)
     transformed = tf.raw_ops.ImageProjectiveTransformV3(
-        images=image[None],
-        transforms=transform[None],
-        output_shape=tf.shape(image)[:2],
-        fill_value=float(_FILL_VALUE),
+        images=tf.expand_dims(tf.expand_dims(packed, 0), 3),
+        transforms=tf.expand_dims(transform, 0),
+        output_shape=tf.shape(packed),
+        fill_value=_PACKED_FILL,
         interpolation="NEAREST",
         fill_mode="CONSTANT",
     )
-    return transformed[0]
+    unpacked = tf.bitcast(tf.squeeze(transformed, [0, 3]), tf.uint8)
+    return tf.slice(unpacked, [0, 0, 0], tf.shape(image))
 
 
-def _autocontrast(image, m, seed):
-    del m, seed
-    lo = tf.cast(tf.reduce_min(image, axis=[0, 1]), tf.float64)[:, None]
-    hi = tf.cast(tf.reduce_max(image, axis=[0, 1]), tf.float64)[:, None]
-    values = tf.range(256, dtype=tf.float64)[None]
-    # PIL: scale = 255 / (hi - lo), offset = -lo * scale, int(i * scale + offset) clipped to [0, 255].
-    scale = 255.0 / tf.maximum(hi - lo, 1.0)
-    stretched = tf.clip_by_value(tf.floor(values * scale + -lo * scale), 0.0, 255.0)
-    return _lookup(image, tf.where(hi > lo, stretched, values))
+def _translate(image, pixels, seed, axis):
+    """PIL's translation by `pixels` (sign from `seed`) along `axis` (0: y, 1: x), filled with grey.
+
+    Output pixel i is input pixel floor(i + 0.5 + pixels) = i + floor(pixels + 0.5) (see `_affine`): a shift
+    by whole pixels, which padding and slicing do without computing a coordinate per pixel.
+    """
+    if not pixels:
+        return image
+    shift = tf.where(_negative(seed), math.floor(0.5 - pixels), math.floor(pixels + 0.5))
+    size = tf.shape(image)[axis]
+    shift = tf.clip_by_value(shift, -size, size)
+    before, after = tf.maximum(-shift, 0), tf.maximum(shift, 0)
+    padding = [[0, 0], [0, 0], [0, 0]]
+    padding[axis] = [before, after]
+    begin = [0, 0, 0]
+    begin[axis] = after
+    return tf.slice(tf.pad(image, padding, constant_values=_FILL_VALUE), tf.stack(begin), tf.shape(image))
 
 
-def _equalize(image, m, seed):
-    del m, seed
-    pixels = tf.reshape(tf.cast(image, tf.int32), [-1, 3]) + tf.constant([0, 256, 512])
-    histogram = tf.reshape(tf.math.bincount(pixels, minlength=768, maxlength=768), [3, 256])
+def _autocontrast(image, args, seed):
+    lo = tf.cast(tf.reduce_min(image, axis=[0, 1]), tf.float64)
+    hi = tf.cast(tf.reduce_max(image, axis=[0, 1]), tf.float64)
+    # PIL, per channel with hi > lo: scale = 255 / (hi - lo), offset = -lo * scale, int(i * scale + offset)
+    # clipped to [0, 255], in Python's float64; otherwise unchanged (scale 1, offset 0).
+    stretch = hi > lo
+    scale = tf.where(stretch, 255.0 / tf.maximum(hi - lo, 1.0), 1.0)
+    offset = tf.where(stretch, -lo * scale, 0.0)
+    stretched = tf.floor(tf.cast(image, tf.float64) * scale + offset)
+    return tf.cast(tf.clip_by_value(stretched, 0.0, 255.0), tf.uint8)
+
+
+def _equalize(image, args, seed):
+    index = tf.cast(image, tf.int32) + np.array([0, 256, 512], np.int32)  # one histogram of 256 bins per channel
+    histogram = tf.reshape(tf.math.bincount(index, minlength=768, maxlength=768), [3, 256])
     top = tf.cast(tf.reduce_max(image, axis=[0, 1]), tf.int32)
     # PIL: step = (count - count of the last non-empty bin) // 255; lut[i] = (step // 2 + count below i) // step.
     step = (tf.reduce_sum(histogram, axis=1) - tf.gather(histogram, top, batch_dims=1)) // 255
     step = step[:, None]
     below = tf.cumsum(histogram, axis=1, exclusive=True)
     table = tf.minimum((step // 2 + below) // tf.maximum(step, 1), 255)
-    return _lookup(image, tf.where(step > 0, table, tf.range(256)[None]))
+    table = tf.where(step > 0, table, np.arange(256, dtype=np.int32)[None])
+    return tf.gather(tf.reshape(tf.cast(table, tf.uint8), [-1]), index)
 
 
-def _invert(image, m, seed):
-    del m, seed
+def _invert(image, args, seed):
     return 255 - image
 
 
-def _posterize(image, m, seed):
-    del seed
-    bits = tf.cast(tf.clip_by_value(tf.floor(m * 4.0), 0.0, 8.0), tf.int32)
-    mask = 256 - tf.bitwise.left_shift(1, 8 - bits)  # the top `bits` bits: 0 for none, 255 for all 8
-    return tf.bitwise.bitwise_and(image, tf.cast(mask, tf.uint8))
+def _posterize(image, args, seed):
+    mask = (0xFF << (8 - args["bits"])) & 0xFF  # the top `bits` bits: 0 for none, 255 for all 8
+    return image if mask == 0xFF else tf.bitwise.bitwise_and(image, np.uint8(mask))
 
 
-def _solarize(image, m, seed):
-    del seed
-    threshold = tf.cast(tf.clip_by_value(tf.floor(m * 256.0), 0.0, 256.0), tf.int32)
-    values = tf.range(256)
-    return _lookup(image, tf.where(values < threshold, values, 255 - values))
+def _solarize(image, args, seed):
+    threshold = args["threshold"]
+    if threshold == 256:
+        return image
+    # Pixels >= threshold become 255 - pixel, which is pixel XOR 255.
+    return tf.bitwise.bitwise_xor(image, tf.cast(image >= threshold, tf.uint8) * 255)
 
 
-def _solarize_add(image, m, seed):
-    del seed
-    addition = tf.cast(tf.clip_by_value(tf.floor(m * 110.0), 0.0, 255.0), tf.int32)
-    values = tf.range(256)
-    return _lookup(image, tf.where(values < 128, tf.minimum(values + addition, 255), values))
+def _solarize_add(image, args, seed):
+    addition = args["addition"]
+    if not addition:
+        return image
+    below = tf.cast(image < 128, tf.uint8)
+    return image + below * tf.minimum(np.uint8(addition), 255 - image)  # min(pixel + addition, 255) below 128
 
 
-def _color(image, m, seed):
-    del seed
-    grey = tf.cast(_grey(image), tf.float32)[..., None]
-    return _blend(grey, tf.cast(image, tf.float32), _enhance_factor(m))
-
-
-def _contrast(image, m, seed):
-    del seed
-    # PIL: the mean of the grey image from its histogram, int(mean + 0.5), as a flat grey image.
-    grey = _grey(image)
-    total = tf.reduce_sum(tf.cast(grey, tf.int64))
-    mean = tf.floor(tf.cast(total, tf.float64) / tf.cast(tf.size(grey), tf.float64) + 0.5)
-    table = _blend(tf.cast(mean, tf.float32), tf.range(256, dtype=tf.float32), _enhance_factor(m))
-    return _lookup(image, table)
-
-
-def _brightness(image, m, seed):
-    del seed
-    return _lookup(image, _blend(0.0, tf.range(256, dtype=tf.float32), _enhance_factor(m)))
-
-
-def _sharpness(image, m, seed):
-    del seed
+def _color(image, args, seed):
     pixels = tf.cast(image, tf.float32)
-    # PIL's SMOOTH filter: [[1, 1, 1], [1, 5, 1], [1, 1, 1]] / 13, rounded; the border pixels stay as they are.
-    kernel = tf.constant([[1.0, 1.0, 1.0], [1.0, 5.0, 1.0], [1.0, 1.0, 1.0]])[:, :, None, None]
-    summed = tf.nn.depthwise_conv2d(pixels[None], tf.tile(kernel, [1, 1, 3, 1]), [1, 1, 1, 1], "SAME")[0]
+    return _blend(_grey(pixels, 3), pixels, args["factor"])
+
+
+def _contrast(image, args, seed):
+    pixels = tf.cast(image, tf.float32)
+    # PIL: the mean of the grey image from its histogram, int(mean + 0.5), as a flat grey image.
+    grey = tf.cast(_grey(pixels, 1), tf.float64)
+    mean = tf.floor(tf.reduce_sum(grey) / tf.cast(tf.size(grey), tf.float64) + 0.5)
+    return _blend(tf.cast(mean, tf.float32), pixels, args["factor"])
+
+
+def _brightness(image, args, seed):
+    return _blend(0.0, tf.cast(image, tf.float32), args["factor"])
+
+
+def _sharpness(image, args, seed):
+    pixels = tf.cast(image, tf.float32)
+    # PIL's SMOOTH filter, rounded; the border pixels stay as they are.
+    summed = tf.nn.depthwise_conv2d(pixels[None], _SMOOTH, [1, 1, 1, 1], "SAME")[0]
     smooth = tf.floor(summed / 13.0 + 0.5)  # the integer sum / 13 is never within 1/26 of a half: exact
-    height, width = tf.shape(image)[0], tf.shape(image)[1]
-    rows, columns = tf.range(height), tf.range(width)
-    inner = ((rows > 0) & (rows < height - 1))[:, None] & ((columns > 0) & (columns < width - 1))[None]
-    degenerate = tf.where(inner[..., None], smooth, pixels)
-    return _blend(degenerate, pixels, _enhance_factor(m))
+    height, width = _size(image)
+    if isinstance(height, int):
+        inner = _box(height, width, min(height, 1), max(height - 2, 0), min(width, 1), max(width - 2, 0))
+    else:
+        inner = _box(
+            height,
+            width,
+            tf.minimum(height, 1),
+            tf.maximum(height - 2, 0),
+            tf.minimum(width, 1),
+            tf.maximum(width - 2, 0),
+        )
+    degenerate = pixels + tf.cast(inner, tf.float32) * (smooth - pixels)
+    return _blend(degenerate, pixels, args["factor"])
 
 
-def _rotate(image, m, seed):
-    radians = _signed(m * 30.0, seed) * (math.pi / 180.0)
-    shape = tf.cast(tf.shape(image), tf.float64)
-    centre_x, centre_y = shape[1] / 2.0, shape[0] / 2.0
-    cos, sin = tf.cos(radians), tf.sin(radians)
-    # PIL's rotate (counter-clockwise on screen) about (width / 2, height / 2) in its pixel coordinates.
-    return _affine(
-        image,
-        cos,
-        -sin,
-        centre_x - cos * centre_x + sin * centre_y,
-        sin,
-        cos,
-        centre_y - sin * centre_x - cos * centre_y,
-    )
+def _rotate(image, args, seed):
+    if not args["degrees"]:
+        return image
+    height, width = _size(image)
+    centre_x, centre_y = tf.cast(width, tf.float64) / 2.0, tf.cast(height, tf.float64) / 2.0
+    if isinstance(height, int):
+        centre_x, centre_y = width / 2.0, height / 2.0
+
+    def coefficients(degrees):
+        # PIL's rotate (counter-clockwise on screen) about (width / 2, height / 2) in its pixel coordinates.
+        cos, sin = math.cos(math.radians(degrees)), math.sin(math.radians(degrees))
+        x_offset = centre_x - cos * centre_x + sin * centre_y
+        y_offset = centre_y - sin * centre_x - cos * centre_y
+        return cos, -sin, x_offset, sin, cos, y_offset
+
+    return _affine(image, coefficients(args["degrees"]), coefficients(-args["degrees"]), seed)
 
 
-def _shear_x(image, m, seed):
-    one, zero = tf.ones([], tf.float64), tf.zeros([], tf.float64)
-    return _affine(image, one, _signed(m * 0.3, seed), zero, zero, one, zero)
+def _shear_x(image, args, seed):
+    shear = args["shear"]
+    return _affine(image, (1.0, shear, 0.0, 0.0, 1.0, 0.0), (1.0, -shear, 0.0, 0.0, 1.0, 0.0), seed) if shear else image
 
 
-def _shear_y(image, m, seed):
-    one, zero = tf.ones([], tf.float64), tf.zeros([], tf.float64)
-    return _affine(image, one, zero, zero, _signed(m * 0.3, seed), one, zero)
+def _shear_y(image, args, seed):
+    shear = args["shear"]
+    return _affine(image, (1.0, 0.0, 0.0, shear, 1.0, 0.0), (1.0, 0.0, 0.0, -shear, 1.0, 0.0), seed) if shear else image
 
 
-def _translate_x(image, m, seed):
-    one, zero = tf.ones([], tf.float64), tf.zeros([], tf.float64)
-    return _affine(image, one, zero, _signed(m * _TRANSLATE_CONST, seed), zero, one, zero)
+def _translate_x(image, args, seed):
+    return _translate(image, args["pixels"], seed, 1)
 
 
-def _translate_y(image, m, seed):
-    one, zero = tf.ones([], tf.float64), tf.zeros([], tf.float64)
-    return _affine(image, one, zero, zero, zero, one, _signed(m * _TRANSLATE_CONST, seed))
+def _translate_y(image, args, seed):
+    return _translate(image, args["pixels"], seed, 0)
 
 
-def _cutout(image, m, seed):
-    half = tf.cast(tf.floor(m * _CUTOUT_CONST), tf.int32)
-    height, width = tf.shape(image)[0], tf.shape(image)[1]
-    row_seed, column_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
-    centre_y = tf.random.stateless_uniform([], row_seed, minval=0, maxval=height, dtype=tf.int32)
-    centre_x = tf.random.stateless_uniform([], column_seed, minval=0, maxval=width, dtype=tf.int32)
-    rows, columns = tf.range(height), tf.range(width)
-    inside = ((rows >= centre_y - half) & (rows < centre_y + half))[:, None] & (
-        (columns >= centre_x - half) & (columns < centre_x + half)
-    )[None]
-    return tf.where(inside[..., None], tf.constant(_FILL_VALUE, tf.uint8), image)
+def _cutout(image, args, seed):
+    half = args["half"]
+    if not half:
+        return image
+    height, width = _size(image)
+    # The centre, uniform over the pixels, from one random-number op.
+    size = tf.stack([height, width])
+    centre = tf.minimum(tf.cast(tf.random.stateless_uniform([2], seed) * tf.cast(size, tf.float32), tf.int32), size - 1)
+    low, high = tf.unstack(tf.maximum(centre - half, 0), 2), tf.unstack(tf.minimum(centre + half, size), 2)
+    (top, left), (bottom, right) = low, high
+    inside = _box(height, width, top, bottom - top, left, right - left)
+    return image * (1 - inside) + _FILL_VALUE * inside
 
 
 _OPS = {
@@ -280,7 +345,8 @@ _OPS = {
 
 @tf.autograph.experimental.do_not_convert  # plain TensorFlow ops: nothing to convert, faster traces
 def apply_op(image, name, magnitude, seed):
-    """One RandAugment op (`name`, one of `RANDAUGMENT_OPS`) at `magnitude` (0-10 scale) on one image.
+    """One RandAugment op (`name`, one of `RANDAUGMENT_OPS`) at `magnitude` (a Python number, 0-10 scale) on
+    one image.
 
     `image`: uint8 (H, W, 3), H and W static or not; returns uint8 of the same shape. `seed`: an int32 pair,
     which decides the sign of Rotate, Shear and Translate and where Cutout falls (the other ops ignore it).
@@ -291,37 +357,37 @@ def apply_op(image, name, magnitude, seed):
     image = tf.convert_to_tensor(image)
     if image.dtype != tf.uint8 or not image.shape.is_compatible_with([None, None, 3]):
         raise ValueError(f"RandAugment takes uint8 (H, W, 3) images. Received: {image.dtype.name} {image.shape}")
-    m = tf.maximum(tf.cast(magnitude, tf.float64), 0.0) / _MAX_LEVEL
-    result = _OPS[name](image, m, tf.convert_to_tensor(seed))
+    result = tf.convert_to_tensor(_OPS[name](image, _arguments(magnitude), seed))
     result.set_shape(image.shape)
     return result
 
 
-@tf.autograph.experimental.do_not_convert  # plain TensorFlow ops: nothing to convert, faster traces
+@tf.autograph.experimental.do_not_convert
 def draw_ops(seed, num_ops):
     """The ops `rand_augment(image, seed, num_ops)` applies: (int32 [num_ops] indices into
     `RANDAUGMENT_OPS`, each uniform over the 16; int32 [num_ops, 2] seeds, one per op)."""
-    seeds = tf.random.experimental.stateless_split(seed, num_ops + 1)
-    indices = tf.random.stateless_uniform([num_ops], seeds[0], minval=0, maxval=len(RANDAUGMENT_OPS), dtype=tf.int32)
-    return indices, seeds[1:]
+    # One random-number op: three full-range int32 per draw, the index (uniform: 16 divides 2 ** 32) and a seed.
+    drawn = tf.random.stateless_uniform([num_ops, 3], seed, minval=None, maxval=None, dtype=tf.int32)
+    return tf.math.floormod(drawn[:, 0], len(RANDAUGMENT_OPS)), drawn[:, 1:]
 
 
-@tf.autograph.experimental.do_not_convert  # plain TensorFlow ops: nothing to convert, faster traces
+@tf.autograph.experimental.do_not_convert
 def rand_augment(image, seed, num_ops=2, magnitude=10.0):
     """RandAugment(N=`num_ops`, M=`magnitude`) of one uint8 (H, W, 3) image; returns uint8, same shape.
 
     Each of the `num_ops` draws picks one of the 16 ops uniformly (`draw_ops`) and applies it at `magnitude`
-    to the previous draw's output. Only the drawn op is computed: the choice is a `tf.switch_case` over the
-    16. Stateless: `seed` (an int32 pair, one per image and epoch) decides everything, so the same seed gives
-    the same image.
+    (a Python number) to the previous draw's output. Only the drawn op is computed: the choice is a
+    `tf.switch_case` over the 16. Stateless: `seed` (an int32 pair, one per image and epoch) decides
+    everything, so the same seed gives the same image.
     """
     if not isinstance(num_ops, int) or num_ops < 0:
         raise ValueError(f"`num_ops` must be an int >= 0. Received: num_ops={num_ops!r}")
+    _arguments(magnitude)  # a bad magnitude fails here, not inside a branch
     image = tf.convert_to_tensor(image)
     if num_ops == 0:
         return image
     indices, seeds = draw_ops(seed, num_ops)
-    for draw in range(num_ops):
-        branches = [functools.partial(apply_op, image, name, magnitude, seeds[draw]) for name in RANDAUGMENT_OPS]
-        image = tf.switch_case(indices[draw], branches, name=f"randaugment_draw_{draw}")
+    for index, op_seed in zip(tf.unstack(indices, num_ops), tf.unstack(seeds, num_ops)):
+        branches = [functools.partial(apply_op, image, name, magnitude, op_seed) for name in RANDAUGMENT_OPS]
+        image = tf.switch_case(index, branches)
     return image
