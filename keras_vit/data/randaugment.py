@@ -24,13 +24,13 @@ solarize threshold); below 0 it counts as 0.
 Where the reference departs from PIL, PIL is followed: Contrast blends towards the rounded mean of the grey
 (PIL "L") image, not the pixel count / 256 of the reference's histogram sum; Posterize at 0 bits gives black,
 not the reference's one bit (TensorFlow clamps its shift of 8 to 7); Sharpness rounds the smoothed image, as
-PIL's filter does, where the reference truncates; Equalize, AutoContrast and the enhance blends are PIL's
-integer and float32 arithmetic.
+PIL's filter does, where the reference truncates; Equalize, AutoContrast and the enhance blends repeat PIL's
+arithmetic (integers; Python's float64 for AutoContrast's table; C's float32 for the blends).
 
-`rand_augment` draws `num_ops` ops uniformly from the 16 (as big_vision and the tensorflow/tpu code do; Model
-Garden's RandAugment draws from 17, the 17th leaving the image as it is) and computes only the drawn one
-(`tf.switch_case`). Everything random comes from the per-image `seed`, an int32 pair: the same seed gives the
-same image, and the pipeline gives each image of each epoch its own.
+`apply_op` applies one op; `rand_augment` draws `num_ops` ops (`draw_ops`) uniformly from the 16 (as big_vision
+and the tensorflow/tpu code do; Model Garden's RandAugment draws from 17, the 17th leaving the image as it is)
+and computes only the drawn one (`tf.switch_case`). Everything random comes from the per-image `seed`, an int32
+pair: the same seed gives the same image, and the pipeline gives each image of each epoch its own.
 
 Cost: the magnitude is a Python number and every op's argument is computed from it in Python, as the reference
 computes it, so the graph holds only the image work. That keeps each of the 16 branches small, which matters:
@@ -175,8 +175,8 @@ def _translate(image, pixels, seed, axis):
     if not pixels:
         return image
     shift = tf.where(_negative(seed), math.floor(0.5 - pixels), math.floor(pixels + 0.5))
-    size = tf.shape(image)[axis]
-    shift = tf.clip_by_value(shift, -size, size)
+    size = _size(image)[axis]
+    shift = tf.clip_by_value(shift, -size, size)  # beyond the image: all grey
     before, after = tf.maximum(-shift, 0), tf.maximum(shift, 0)
     padding = [[0, 0], [0, 0], [0, 0]]
     padding[axis] = [before, after]
@@ -258,17 +258,8 @@ def _sharpness(image, args, seed):
     summed = tf.nn.depthwise_conv2d(pixels[None], _SMOOTH, [1, 1, 1, 1], "SAME")[0]
     smooth = tf.floor(summed / 13.0 + 0.5)  # the integer sum / 13 is never within 1/26 of a half: exact
     height, width = _size(image)
-    if isinstance(height, int):
-        inner = _box(height, width, min(height, 1), max(height - 2, 0), min(width, 1), max(width - 2, 0))
-    else:
-        inner = _box(
-            height,
-            width,
-            tf.minimum(height, 1),
-            tf.maximum(height - 2, 0),
-            tf.minimum(width, 1),
-            tf.maximum(width - 2, 0),
-        )
+    low, high = (min, max) if isinstance(height, int) else (tf.minimum, tf.maximum)
+    inner = _box(height, width, low(height, 1), high(height - 2, 0), low(width, 1), high(width - 2, 0))
     degenerate = pixels + tf.cast(inner, tf.float32) * (smooth - pixels)
     return _blend(degenerate, pixels, args["factor"])
 
@@ -277,9 +268,10 @@ def _rotate(image, args, seed):
     if not args["degrees"]:
         return image
     height, width = _size(image)
-    centre_x, centre_y = tf.cast(width, tf.float64) / 2.0, tf.cast(height, tf.float64) / 2.0
     if isinstance(height, int):
         centre_x, centre_y = width / 2.0, height / 2.0
+    else:
+        centre_x, centre_y = tf.cast(width, tf.float64) / 2.0, tf.cast(height, tf.float64) / 2.0
 
     def coefficients(degrees):
         # PIL's rotate (counter-clockwise on screen) about (width / 2, height / 2) in its pixel coordinates.
