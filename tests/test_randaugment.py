@@ -65,8 +65,8 @@ def pil_op(name, image, magnitude, sign=1):
 
 # (atol, fraction): at most `fraction` of the pixel values may differ from PIL's by more than `atol`.
 TOLERANCE = {
-    # Integer lookup tables built with PIL's own integer arithmetic (autocontrast's in float64, as Python's
-    # floats): bit for bit.
+    # Point ops: PIL's own integer arithmetic (AutoContrast's scale and offset in float64, as Python's floats):
+    # bit for bit.
     **{name: (0, 0.0) for name in ("AutoContrast", "Equalize", "Invert", "Posterize", "Solarize", "SolarizeAdd")},
     # PIL blends in C float32 and truncates, and so does the op (identical on these photos); a product that
     # lands on an integer may still truncate to either side where a compiler fuses the multiply-add: 1 level.
