@@ -35,7 +35,6 @@ from ml_collections import config_flags
 import keras_vit
 from keras_vit import data as vit_data
 from keras_vit import training, visualize
-from keras_vit.data.sources import load_tfds_evaluation
 from keras_vit.variants import ViTConfig, parse_variant, to_pair
 
 # === Model and optimizer ===
@@ -396,7 +395,7 @@ def extra_evaluations(config, model, strategy=None):
     for name, spec in config.extra_evals.items():
         data = f"tfds:{spec.dataset}:{spec.split}"
         try:
-            images, count, num_classes = load_tfds_evaluation(
+            images, count, num_classes = vit_data.load_tfds_evaluation(
                 spec.dataset, spec.split, data_dir=config.data_dir or None, label_key=spec.get("label", "label")
             )
             if num_classes != model.output_shape[-1]:

@@ -21,6 +21,7 @@ data behind each split under "splits".
 """
 
 import contextlib
+import csv
 import json
 import os
 import time
@@ -124,6 +125,18 @@ def _process_index():
     return 0
 
 
+def best_logged(workdir, best_path):
+    """For a run that resumes from its backup: the best val_accuracy of the epochs in log.csv, so that
+    best.keras is only replaced by a better epoch; None (no threshold) for a run that starts afresh."""
+    log_path = tf.io.gfile.join(workdir, "log.csv")
+    if not all(tf.io.gfile.exists(p) for p in (tf.io.gfile.join(workdir, "backup"), best_path, log_path)):
+        return None
+    with tf.io.gfile.GFile(log_path) as f:
+        rows = list(csv.DictReader(f))
+    values = [float(row["val_accuracy"]) for row in rows if row.get("val_accuracy")]
+    return max(values) if values else None
+
+
 def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
     """Runs the whole job; returns the metrics it writes to `workdir`.
 
@@ -214,7 +227,10 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
     best_path = tf.io.gfile.join(workdir, "best.keras")
     selection = []
     if dataset.validation is not None:
-        selection = [keras.callbacks.ModelCheckpoint(best_path, monitor="val_accuracy", save_best_only=True)]
+        selection = [keras.callbacks.ModelCheckpoint(
+            best_path, monitor="val_accuracy", save_best_only=True,
+            initial_value_threshold=best_logged(workdir, best_path),
+        )]
     history = model.fit(
         dataset.train,
         epochs=config.epochs,

@@ -242,6 +242,10 @@ def test_a_killed_run_resumes_from_its_backup(tmp_path):
     assert "Epoch 1/4" not in stdout
     log = (tmp_path / "log.csv").read_text().strip().splitlines()
     assert [row.split(",")[0] for row in log[1:]] == ["0", "1", "2", "3"]  # epoch 3 once, from the resumed run
+    # best.keras: the best epoch of both processes, on the validation split.
+    column = log[0].split(",").index("val_accuracy")
+    best = max(float(row.split(",")[column]) for row in log[1:])
+    assert metrics["best_validation_accuracy"] == pytest.approx(best, abs=1e-6)
     assert not (tmp_path / "backup").exists()
 
 

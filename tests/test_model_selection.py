@@ -13,7 +13,6 @@ import tensorflow as tf
 from experiments import common, train
 from experiments.configs import digits as digits_config
 from keras_vit import data as vit_data
-from keras_vit.data.sources import load_tfds_evaluation
 from tests.test_data import prepare_tfds, write_folder
 
 
@@ -219,13 +218,15 @@ def test_evaluation_sets_load_their_labels_and_a_missing_one_is_skipped_and_logg
     digits = vit_data.load_digits(image_size=16)
     images, labels = digits.test.images[:12], digits.test.labels[:12]
     data_dir, real = prepare_evaluation_sets(tmp_path, images, labels)
-    ds, count, classes = load_tfds_evaluation("tiny_real", "validation", data_dir=data_dir, label_key="real_label")
+    ds, count, classes = vit_data.load_tfds_evaluation(
+        "tiny_real", "validation", data_dir=data_dir, label_key="real_label"
+    )
     loaded = list(ds.as_numpy_iterator())
     assert (count, classes, len(loaded)) == (12, 10, 12)
     expected = {x.tobytes(): sorted(r) for x, r in zip(images, real)}
     for image, multi_hot in loaded:
         assert multi_hot.dtype == np.float32 and sorted(np.flatnonzero(multi_hot)) == expected[image.tobytes()]
-    ds, count, _ = load_tfds_evaluation("tiny_v2", "test", data_dir=data_dir)
+    ds, count, _ = vit_data.load_tfds_evaluation("tiny_v2", "test", data_dir=data_dir)
     assert sorted(int(y) for _, y in ds.as_numpy_iterator()) == sorted(labels.tolist())
 
     config = digits_config.get_config()
@@ -462,3 +463,15 @@ def test_the_config_reaches_the_training_pipeline(tmp_path, monkeypatch):
     assert [(k["shuffle_buffer"], k["cache"], k["crop_area_range"], k["data_service"]) for k in seen] == [
         (123, True, (0.05, 1.0), "grpc://localhost:5050"), (123, True, (0.05, 1.0), None)
     ]
+
+
+def test_a_resumed_run_keeps_the_best_epoch_of_the_run_it_resumes(tmp_path):
+    """With a backup (an interrupted run) the best val_accuracy logged so far is the bar best.keras must beat
+    (the killed-run test runs it end to end); a run that starts afresh has none."""
+    (tmp_path / "log.csv").write_text("epoch,accuracy,val_accuracy\n0,0.5,0.75\n1,0.6,0.875\n2,0.7,0.8125\n")
+    (tmp_path / "best.keras").write_bytes(b"")
+    assert train.best_logged(str(tmp_path), str(tmp_path / "best.keras")) is None  # no backup: afresh
+    (tmp_path / "backup").mkdir()
+    assert train.best_logged(str(tmp_path), str(tmp_path / "best.keras")) == 0.875
+    (tmp_path / "log.csv").write_text("epoch,accuracy\n0,0.5\n")  # no validation logged
+    assert train.best_logged(str(tmp_path), str(tmp_path / "best.keras")) is None
