@@ -11,7 +11,7 @@ download); nothing is downloaded here.
 
 Point by point against big_vision's config:
 
-- Data: `train[:99%]` to train on; `train[99%:]` (12,811 images) is the
+- Data: `train[:99%]` to train on; `train[99%:]` (12,812 images) is the
   minival that validates each epoch and selects best.keras; ImageNet's
   `validation` split is the test set, read once, after training.  The
   encoded bytes are cached (`cache_raw=True`: up to 120 GB of host memory)
@@ -31,9 +31,11 @@ Point by point against big_vision's config:
 - Pixels: [-1, 1] (`value_range(-1, 1)`): the model's own rescaling.  Same.
 - Model: S/16, global average pooling, fixed 2-D sin-cos position
   embeddings, a pre-logits layer (`rep_size=True`: Dense(384) + tanh), a
-  zero-initialised head, no dropout: 22,122,472 parameters.  One
-  difference: the exact GELU where big_vision computes Flax's tanh
-  approximation (`--config.model.gelu=tanh` for that).
+  zero-initialised head, no dropout: 22,122,472 parameters.  Differences:
+  the exact GELU where big_vision computes Flax's tanh approximation
+  (`--config.model.gelu=tanh` for that), and the pre-logits kernel drawn
+  as Keras's Dense draws it (Glorot-uniform; Flax's default is
+  LeCun-normal).
 - Loss: softmax cross-entropy on one-hot labels, no label smoothing.  Same.
 - MixUp: big_vision's `mixup=dict(p=0.2)` mixes every batch with one
   coefficient drawn from Beta(0.2, 0.2) (p is the Dirichlet concentration,
@@ -44,7 +46,9 @@ Point by point against big_vision's config:
   symmetric Beta and a symmetric pairing gives the same distribution.
 - Optimizer: Adam (0.9, 0.999), learning rate 1e-3, 10,000 linear warm-up
   steps, cosine decay to 0, global gradient clipping at 1.0, batch 1024, 90
-  epochs of `train[:99%]`; decoupled weight decay 1e-4 on the kernels only
+  epochs of `train[:99%]` (1,268,355 images: 1,238 steps per epoch, the
+  last partial batch of each epoch dropped, 111,420 steps where big_vision
+  counts 111,477); decoupled weight decay 1e-4 on the kernels only
   (big_vision's `wd_mults` default), multiplied by the schedule.  Keras's
   AdamW multiplies its weight_decay by the learning rate, so the same decay
   is weight_decay = 1e-4 / 1e-3 = 0.1 here.  Differences: Adam's epsilon is
