@@ -49,15 +49,6 @@ def _check_fraction(name, value, *, zero=False):
         raise ValueError(f"`{name}` must be in {interval}. Received: {name}={value!r}")
 
 
-def _hold_out(items, labels, fraction, seed, num_classes):
-    """(kept, held out): a seeded share `fraction` of `items` held out, stratified by `labels` when every
-    class has at least two items and the share is at least one per class (otherwise drawn at random)."""
-    from sklearn.model_selection import train_test_split
-
-    stratify = labels if min(np.bincount(labels)) >= 2 and len(labels) * fraction >= num_classes else None
-    return train_test_split(items, test_size=fraction, random_state=seed, stratify=stratify)
-
-
 def load_digits(image_size=8, test_fraction=0.2, seed=0, validation_fraction=0.0):
     """scikit-learn's digits as RGB uint8 images, split into train, test and (optionally) validation.
 
@@ -228,10 +219,16 @@ def load_image_source(
 
 
 def _hold_out_files(items, fraction, seed, num_classes):
-    """(kept, held out, how: "stratified by class" or "at random") for a list of (path, label)."""
+    """(kept, held out, how) for a list of (path, label): a seeded share `fraction` held out, stratified by
+    class when every class has at least two files and the share is at least one per class, otherwise drawn
+    at random (`how` says which)."""
+    from sklearn.model_selection import train_test_split
+
     labels = [label for _, label in items]
-    kept, held = _hold_out(items, labels, fraction, seed, num_classes)
     stratified = min(np.bincount(labels)) >= 2 and len(labels) * fraction >= num_classes
+    kept, held = train_test_split(
+        items, test_size=fraction, random_state=seed, stratify=labels if stratified else None
+    )
     return kept, held, "stratified by class" if stratified else "at random"
 
 
