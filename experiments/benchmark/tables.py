@@ -7,7 +7,8 @@ A page marks each table's place with `<!-- results:VIEW -->` ... `<!-- /results 
 two is generated. A view (`VIEWS`) is the `infer`/`train` rows of one results file, optionally of CPUs with
 a feature; of the rows that measured the same thing (mode, variant, image size, batch, precision, XLA,
 backend) it shows the last one appended, with the date, commit, machine and versions it was measured on,
-and a row marked `stale` says so under the table.
+and a row marked `stale` says so under the table.  The `input` view is the last `--mode=input` row: one
+line per form of the input pipeline.
 """
 
 import argparse
@@ -25,7 +26,7 @@ REGION = re.compile(r"(<!-- results:(?P<view>[\w-]+) -->\n)(?P<body>.*?)(<!-- /r
 PEER_LABELS = {"keras_hub": "keras-hub", "timm": "timm (eager)", "timm_compiled": "timm (torch.compile)"}
 # The versions a footnote names, in this order (JAX's CUDA plugins after jaxlib).
 SHOWN_VERSIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-tpu", "jax", "jaxlib", "cuda", "keras", "keras-hub",
-                  "timm", "torch")  # fmt: skip
+                  "timm", "torch", "tf-models-nightly", "tf-models-official")  # fmt: skip
 DEFAULT_IMAGE_SIZE = 224
 
 
@@ -52,6 +53,13 @@ VIEWS = {
     # AVX-512, where TensorFlow leaves oneDNN off.
     "cpu_amx": View("cpu.jsonl", has=("amx_tile",)),
     "cpu_avx2": View("cpu.jsonl", has=("avx2",), lacks=("avx512f",)),
+    "cpu_input": View("cpu.jsonl", modes=("input",)),
+}
+# The forms of the input pipeline `--mode=input` measures, in the order of their lines.
+INPUT_FORMS = {
+    "crop_flip": "(a) decode, Inception crop, flip",
+    "keras_vit": "(b) + keras_vit's RandAugment",
+    "model_garden": "(c) + TF Model Garden's RandAugment",
 }
 
 
@@ -169,6 +177,47 @@ def table(rows, platform):
     return text + "\n\n"
 
 
+def input_table(rows):
+    """The Markdown of the last input-pipeline row: a line per form, the comparisons and where it was measured."""
+    if not rows:
+        return "No results yet.\n"
+    row = rows[-1]
+    figures, config = row["figures"], row["config"]
+    randaugment = ", ".join(config.get("randaugment") or [])
+    header = [f"form ({config['image_size']} px, batch {config['batch_size']})", "images/s", "per core",
+              "CPU ms / image", "cores per 1,000 images/s"]  # fmt: skip
+    lines = []
+    for form, name in INPUT_FORMS.items():
+        if form not in figures["images_per_second"]:
+            continue
+        name += f"({randaugment})" if form != "crop_flip" and randaugment else ""
+        lines.append([
+            name, f"{figures['images_per_second'][form]:.0f}", f"{figures['images_per_second_per_core'][form]:.0f}",
+            f"{1000 * figures['cpu_seconds_per_image'][form]:.2f}",
+            f"{figures['cores_per_1000_images_per_second'][form]:.1f}",
+        ])  # fmt: skip
+    text = "\n".join("| " + " | ".join(cells) + " |" for cells in [header, ["---"] * len(header), *lines])
+    notes = []
+    if "model_garden" in figures["images_per_second"]:
+        notes.append(
+            f"keras_vit / Model Garden: {row['ratios']['model_garden']['ratio']:.2f}x the images/s; Model Garden's "
+            f"CPU time per image / keras_vit's: {figures['cpu_time_ratios']['model_garden']:.2f}x."
+        )
+    if "randaugment_added_cost" in figures:
+        notes.append(
+            f"RandAugment adds {100 * figures['randaugment_added_cost']:.1f}% to the time of (a), "
+            f"{100 * figures['randaugment_added_cpu_time']:.1f}% to its CPU time."
+        )
+    load = figures.get("load_average")
+    busy = ", ".join(f"{figures['busy_cores'][form]:.2f}" for form in INPUT_FORMS if form in figures["busy_cores"])
+    notes.append(
+        f"{figures['data']}{', bytes cached in memory' if figures.get('cached') else ''}; the process kept "
+        f"{busy} cores busy" + (f" (load average {load[0]:.1f} before, {load[1]:.1f} after)." if load else ".")
+    )
+    notes.append(footnote(row))
+    return text + "\n\n" + "\n".join(f"- {note}" for note in notes) + "\n\n"
+
+
 def view_text(name, results=RESULTS):
     """The generated text of the region `<!-- results:name -->`."""
     if name not in VIEWS:
@@ -176,7 +225,7 @@ def view_text(name, results=RESULTS):
     view = VIEWS[name]
     path = pathlib.Path(results) / view.file
     rows = view.select(read_rows(path)) if path.exists() else []
-    return table(rows, name)
+    return input_table(rows) if view.modes == ("input",) else table(rows, name)
 
 
 def render(text, results=RESULTS):

@@ -71,6 +71,9 @@ def _one_hot_batches(ds, num_classes):
     # (training), each input pipeline has read its own files and no policy applies.
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    # The maps work on many images at once: one thread per op, as big_vision's input pipelines run, saves the
+    # threads that would split each small op (and spin waiting for each other) their CPU time.
+    options.threading.max_intra_op_parallelism = 1
     return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
 
 
