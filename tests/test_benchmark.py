@@ -234,6 +234,37 @@ def test_tables_show_the_latest_row_of_a_measurement_and_what_is_stale():
     assert "- [c] float32: JAX ran our matmuls in TF32" in text
 
 
+def test_the_input_table_shows_each_form_and_the_comparisons_of_the_last_input_row():
+    row = {
+        "mode": "input", "date": "2027-01-02T03:04:05+00:00", "commit": "a" * 40, "dirty": False,
+        "config": {"image_size": 224, "batch_size": 64, "randaugment": ["2", "10"]},
+        "device": {"accelerator": "cpu", "machine": "Some CPU", "cpu_cores": 2, "cpu_flags": ["avx2"]},
+        "versions": {"tensorflow": "2.21.0", "tf-models-nightly": "2.21.0.dev1"},
+        "ratios": {"model_garden": {"against": "model_garden", "ratio": 1.5}},
+        "figures": {
+            "ours": "keras_vit", "data": "8 photos", "cached": True, "load_average": [0.5, 1.25],
+            "images_per_second": {"crop_flip": 400.0, "keras_vit": 300.0, "model_garden": 200.0},
+            "images_per_second_per_core": {"crop_flip": 200.0, "keras_vit": 150.0, "model_garden": 100.0},
+            "cpu_seconds_per_image": {"crop_flip": 0.004, "keras_vit": 0.005, "model_garden": 0.0075},
+            "cores_per_1000_images_per_second": {"crop_flip": 4.0, "keras_vit": 5.0, "model_garden": 7.5},
+            "busy_cores": {"crop_flip": 1.6, "keras_vit": 1.5, "model_garden": 1.5},
+            "cpu_time_ratios": {"crop_flip": 0.8, "model_garden": 1.5},
+            "randaugment_added_cost": 1 / 3, "randaugment_added_cpu_time": 0.25,
+        },
+    }
+    older = json.loads(json.dumps(row))
+    older["figures"]["images_per_second"]["keras_vit"] = 1.0
+    text = tables.input_table([older, row])
+    assert "| (b) + keras_vit's RandAugment(2, 10) | 300 | 150 | 5.00 | 5.0 |" in text
+    assert "| (c) + TF Model Garden's RandAugment(2, 10) | 200 | 100 | 7.50 | 7.5 |" in text
+    assert "keras_vit / Model Garden: 1.50x the images/s; Model Garden's CPU time per image / keras_vit's: 1.50x" in (
+        text
+    )
+    assert "RandAugment adds 33.3% to the time of (a), 25.0% to its CPU time." in text
+    assert "(load average 0.5 before, 1.2 after)" in text and "tf-models-nightly 2.21.0.dev1" in text
+    assert tables.input_table([]) == "No results yet.\n"
+
+
 # === The modes, run ===
 
 

@@ -21,6 +21,7 @@ JOB_FLAGS = {
     "transfer": ["config", "workdir"],
     "export": ["calibration_images", "class_names", "format", "model", "out", "overwrite", "quantize"],
     "visualize": ["image", "model", "out"],
+    "data_service": ["dispatcher", "port", "role", "work_dir", "worker_address"],
 }
 IMPORT_SCRIPT = """
 import contextlib, importlib, io, json, pkgutil, re, sys

@@ -9,7 +9,7 @@ r"""Benchmarks of keras_vit on this machine.
     python -m experiments.benchmark --mode=patch_projection --variant=B/16 --batch_size=16
     python -m experiments.benchmark --mode=serving --variant=Ti/16 --image_size=224
     python -m experiments.benchmark --mode=input --image_size=224 --batch_size=64 [--randaugment=2,10] \
-        [--data=PATH|tfds:NAME [--data_dir=DIR]]
+        [--model_garden] [--synthetic=photos|gradients] [--data=PATH|tfds:NAME [--data_dir=DIR]]
     python -m experiments.benchmark.tables [--check]
 
 One module per mode (or group of modes), each a function that measures,
