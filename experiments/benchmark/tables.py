@@ -55,6 +55,8 @@ VIEWS = {
     "cpu_avx2": View("cpu.jsonl", has=("avx2",), lacks=("avx512f",)),
     "cpu_input": View("cpu.jsonl", modes=("input",)),
 }
+# big_vision's ViT-S/16 ImageNet run: 90 epochs in about 7 hours on a TPU v3-8 (Beyer et al. 2022).
+RECIPE_IMAGES_PER_SECOND = 4_600
 # The forms of the input pipeline `--mode=input` measures, in the order of their lines.
 INPUT_FORMS = {
     "crop_flip": "(a) decode, Inception crop, flip",
@@ -207,6 +209,12 @@ def input_table(rows):
         notes.append(
             f"RandAugment adds {100 * figures['randaugment_added_cost']:.1f}% to the time of (a), "
             f"{100 * figures['randaugment_added_cpu_time']:.1f}% to its CPU time."
+        )
+    if "keras_vit" in figures["cores_per_1000_images_per_second"]:
+        cores = figures["cores_per_1000_images_per_second"]["keras_vit"]
+        notes.append(
+            f"The recipe's pipeline (b) at the {RECIPE_IMAGES_PER_SECOND:,} images/s of big_vision's ImageNet S/16 "
+            f"run on a TPU v3-8: about {cores * RECIPE_IMAGES_PER_SECOND / 1000:.0f} cores of this CPU."
         )
     load = figures.get("load_average")
     busy = ", ".join(f"{figures['busy_cores'][form]:.2f}" for form in INPUT_FORMS if form in figures["busy_cores"])
