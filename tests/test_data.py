@@ -1,6 +1,7 @@
 import collections
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -265,7 +266,7 @@ def test_bad_folders(tmp_path):
         vit_data.load_folder(tmp_path / "empty")
     (tmp_path / "notes" / "a").mkdir(parents=True)
     (tmp_path / "notes" / "a" / "readme.txt").write_text("no images here")
-    with pytest.raises(ValueError, match=r"No images to split in .*notes.*0 file\(s\) named .jpg"):
+    with pytest.raises(ValueError, match=r"No images in .*notes.*: none of its subfolders \['a'\] holds a file named"):
         vit_data.load_folder(tmp_path / "notes")
     with pytest.raises(ValueError, match="`split` must be 'train' or 'test'. Received: split='validation'"):
         vit_data.load_folder(write_folder(tmp_path / "ok")).decoded("validation")
@@ -650,3 +651,31 @@ def test_through_tf_data_service_a_split_that_fails_entirely_is_an_error(tmp_pat
     ds = vit_data.training_pipeline(source, 8, 1, data_service=data_service)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"All 2 examples of the train split failed"):
         next(iter(ds))
+
+
+def test_folder_listing_skips_non_utf8_names_empty_class_folders_and_links_into_the_data_set(tmp_path, caplog):
+    root = write_folder(tmp_path / "images", classes=("cat", "dog"), per_class=4)
+    odd = os.path.join(os.fsencode(root), b"cat", b"caf\xe9.png")  # Latin-1, not UTF-8
+    with open(odd, "wb") as f:
+        f.write(tf.io.encode_png(np.zeros((8, 8, 3), np.uint8)).numpy())
+    (root / "empty").mkdir()
+    (root / "notes").mkdir()
+    (root / "notes" / "readme.txt").write_text("no images")
+    os.symlink(root, root / "again")  # a link to the data root
+    with caplog.at_level("WARNING"):
+        source = vit_data.load_folder(root, test_fraction=0.25)
+    assert source.class_names == ["cat", "dog"]
+    assert source.num_train + source.num_test == 8  # the UTF-8 files only
+    assert source.skipped.count == 1
+    [name] = source.skipped.paths
+    assert name.endswith("/cat/caf\\xe9.png") and "not UTF-8" in source.skipped.errors[name]
+    assert "['again'], links back into the data set" in caplog.text
+    assert "['empty', 'notes'], with no file named" in caplog.text
+    # What trains: every listed image, in two classes.
+    assert sum(1 for _ in source.train) == source.num_train
+
+
+def test_a_folder_of_one_class_is_an_error_for_a_classifier(tmp_path):
+    root = write_folder(tmp_path / "one", classes=("cat",), per_class=4)
+    with pytest.raises(ValueError, match=r"One class in .*'cat'.*a classifier needs at least two class subfolders"):
+        vit_data.load_folder(root)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from keras_vit.data.decode import DecodeFailures, decode_image, decode_skipping_failures
 
@@ -178,19 +179,67 @@ def _percent(fraction):
     return f"{fraction * 100:g}%"
 
 
-def _list_class_folders(root):
-    """Class names and the image files of each, by name (extension) only: no file is opened."""
-    classes = sorted(
-        name.rstrip("/") for name in tf.io.gfile.listdir(root) if tf.io.gfile.isdir(f"{root}/{name.rstrip('/')}")
-    )
-    if not classes:
+def _listdir(folder, skipped):
+    """The names in `folder`. On a local disk a name that is not UTF-8 is left out and named in `skipped` (a
+    `DecodeFailures`; TensorFlow's listing would raise `UnicodeDecodeError` naming no file); object stores
+    (gs://) hold UTF-8 names only."""
+    if "://" in folder:
+        return [name.rstrip("/") for name in tf.io.gfile.listdir(folder)]
+    names = []
+    for name in os.listdir(os.fsencode(folder)):
+        try:
+            names.append(name.decode("utf-8"))
+        except UnicodeDecodeError:
+            shown = name.decode("utf-8", errors="backslashreplace")
+            skipped.record(f"{folder}/{shown}", "its name is not UTF-8: rename it to read it")
+    return names
+
+
+def _links_into(root, folder):
+    """Whether the local `folder` is a link to `root` or to a folder above it (listing it would list the data
+    set again, as a class)."""
+    if "://" in folder or not os.path.islink(folder):
+        return False
+    target, root = os.path.realpath(folder), os.path.realpath(root)
+    return root == target or root.startswith(target.rstrip(os.sep) + os.sep)
+
+
+def _list_class_folders(root, skipped):
+    """Class names and the image files of each, by name (extension) only: no file is opened.
+
+    A subfolder is a class if it holds at least one file named as an image and is not a link back into the
+    data set; the others are left out with a warning naming them.  A classifier needs two classes.
+    """
+    folders = sorted(name for name in _listdir(root, skipped) if tf.io.gfile.isdir(f"{root}/{name}"))
+    if not folders:
         raise ValueError(f"No class subfolders in {root!r}. Expected one subfolder of images per class.")
-    paths, labels = [], []
-    for label, name in enumerate(classes):
-        for file in sorted(tf.io.gfile.listdir(f"{root}/{name}")):
-            if file.lower().endswith(IMAGE_EXTENSIONS):
-                paths.append(f"{root}/{name}/{file}")
-                labels.append(label)
+    classes, paths, labels, empty, links = [], [], [], [], []
+    for name in folders:
+        if _links_into(root, f"{root}/{name}"):
+            links.append(name)
+            continue
+        files = sorted(file for file in _listdir(f"{root}/{name}", skipped) if file.lower().endswith(IMAGE_EXTENSIONS))
+        if not files:
+            empty.append(name)
+            continue
+        paths += [f"{root}/{name}/{file}" for file in files]
+        labels += [len(classes)] * len(files)
+        classes.append(name)
+    if links:
+        logging.warning("Left out of the classes of %s: %s, links back into the data set.", root, links)
+    if empty and classes:
+        logging.warning(
+            "Left out of the classes of %s: %s, with no file named %s.", root, empty, "|".join(IMAGE_EXTENSIONS)
+        )
+    if not classes:
+        raise ValueError(
+            f"No images in {root!r}: none of its subfolders {folders} holds a file named "
+            f"{'|'.join(IMAGE_EXTENSIONS)}."
+        )
+    if len(classes) < 2:
+        raise ValueError(
+            f"One class in {root!r} ({classes[0]!r}): a classifier needs at least two class subfolders of images."
+        )
     return classes, paths, labels
 
 
@@ -239,7 +288,10 @@ def load_folder(root, *, test_fraction=0.2, seed=0, validation_fraction=0.0):
     Files are listed by name (extensions in `IMAGE_EXTENSIONS`, any case):
     none is opened before the input pipeline reads it, which matters on gs://
     (one round trip per file).  Files that then fail to read or decode are
-    skipped and named in `source.skipped`.  Without train/ and test/
+    skipped and named in `source.skipped`, and so are local files whose
+    names are not UTF-8, when listed.  Subfolders with no image file, and
+    links back into the data set, are not classes (a warning names them);
+    fewer than two classes is an error.  Without train/ and test/
     subfolders, a stratified held-out split of `test_fraction` is drawn with
     `seed`.  With `validation_fraction` (and no validation/ subfolder), that
     share of the training files is held out for validation, stratified and
@@ -251,13 +303,14 @@ def load_folder(root, *, test_fraction=0.2, seed=0, validation_fraction=0.0):
     root = str(root).rstrip("/")
     if not tf.io.gfile.isdir(root):
         raise ValueError(f"No folder at {root!r}.")
+    skipped = DecodeFailures()  # Files left out when listed, then those that fail to decode.
     if tf.io.gfile.isdir(f"{root}/train") and tf.io.gfile.isdir(f"{root}/test"):
-        classes, train_paths, train_labels = _list_class_folders(f"{root}/train")
+        classes, train_paths, train_labels = _list_class_folders(f"{root}/train", skipped)
         splits = {"train": list(zip(train_paths, train_labels))}
         described = {"train": f"{root}/train", "test": f"{root}/test"}
         folders = ["test"] + (["validation"] if tf.io.gfile.isdir(f"{root}/validation") else [])
         for folder in folders:
-            other_classes, paths, labels = _list_class_folders(f"{root}/{folder}")
+            other_classes, paths, labels = _list_class_folders(f"{root}/{folder}", skipped)
             if other_classes != classes:
                 raise ValueError(
                     f"train/ and {folder}/ of {root!r} have different classes: {classes} vs {other_classes}."
@@ -272,7 +325,7 @@ def load_folder(root, *, test_fraction=0.2, seed=0, validation_fraction=0.0):
             described["validation"] = f"{_percent(validation_fraction)} of {root}/train, {how} (seed {seed})"
             described["train"] = f"the rest of {root}/train"
     else:
-        classes, paths, labels = _list_class_folders(root)
+        classes, paths, labels = _list_class_folders(root, skipped)
         if len(paths) < 2:
             raise ValueError(
                 f"No images to split in {root!r}: {len(paths)} file(s) named {'|'.join(IMAGE_EXTENSIONS)}."
@@ -306,7 +359,7 @@ def load_folder(root, *, test_fraction=0.2, seed=0, validation_fraction=0.0):
 
     return ImageSource(
         len(classes), classes, len(splits["train"]), len(splits["test"]),
-        read=read, load=tf.io.read_file, reload=tf.io.read_file,
+        read=read, load=tf.io.read_file, reload=tf.io.read_file, skipped=skipped,
         num_validation=len(splits.get("validation", ())),
         splits={name: described[name] for name in ("train", "validation", "test") if name in splits},
     )
