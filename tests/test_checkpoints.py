@@ -593,3 +593,47 @@ def test_big_vision_map_head_names_and_shapes_round_trip(tmp_path):
 )
 def test_big_vision_options_that_do_not_match_the_model_are_named(tmp_path, file, model, pattern):
     assert_load_fails_unchanged(write(big_vision_checkpoint(5, **file), tmp_path / "bv.npz"), pattern, model=model)
+
+
+@pytest.mark.parametrize(
+    "bad, pattern",
+    [
+        (lambda v: np.full(v.shape, "x"), r"'head/bias' holds str\d* values \(shape \(5,\)\); expected floating-point"),
+        (lambda v: v.astype(np.complex64) + 1j, r"'head/bias' holds complex64 values .*expected floating-point"),
+        (lambda v: np.where(np.arange(v.size) % 2, np.nan, v).reshape(v.shape), r"'head/bias' .* holds 2 NaN"),
+        (lambda v: np.arange(v.size).reshape(v.shape), r"'head/bias' holds int64 values"),
+    ],
+    ids=["string", "complex", "nan", "integer"],
+)
+def test_an_array_that_is_not_finite_floating_point_is_refused_before_any_weight_is_set(
+    source, tmp_path, bad, pattern
+):
+    """The head comes last among the weights: without the checks up front, every block would be loaded
+    (and the model changed) before the head failed."""
+    _, path = source
+    params = checkpoints.read_npz(path)
+    params["head/bias"] = bad(params["head/bias"])
+    assert_load_fails_unchanged(write(params, tmp_path / "bad.npz"), pattern)
+
+
+def test_a_checkpoint_of_another_head_count_is_refused(tmp_path):
+    two_heads = randomize_weights(small_vit(num_heads=2), seed=3)
+    path = str(tmp_path / "two_heads.npz")
+    keras_vit.save_npz(two_heads, path)
+    # Same width (16), so every shape but the per-head split agrees: it would load silently into 4 heads.
+    assert_load_fails_unchanged(path, r"encoderblock_0/.*/query/kernel' has shape \(16, 2, 8\): 2 attention heads; "
+                                      r"the model has 4. Build it with num_heads=2")
+
+
+def test_a_directory_an_empty_file_and_a_non_square_grid_each_get_their_own_message(source, tmp_path):
+    assert_load_fails_unchanged(str(tmp_path), r"is a directory; expected a checkpoint file")
+    (tmp_path / "empty.npz").write_bytes(b"")
+    assert_load_fails_unchanged(str(tmp_path / "empty.npz"), r"is empty \(0 bytes\)")
+    _, path = source
+    params = checkpoints.read_npz(path)
+    posemb = "Transformer/posembed_input/pos_embedding"
+    params[posemb] = np.concatenate([params[posemb], params[posemb][:, 1:3]], axis=1)  # 1 + 18 rows
+    assert_load_fails_unchanged(
+        write(params, tmp_path / "grid.npz"), r"has 18 patch rows, not a square grid, and the model's grid is 4x4",
+        model={"image_size": 16},
+    )

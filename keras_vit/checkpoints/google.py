@@ -30,7 +30,7 @@ import re
 
 import numpy as np
 
-from keras_vit.checkpoints.base import BLOCK_ATTENTION, MAP_ATTENTION, POSEMB, CheckpointError
+from keras_vit.checkpoints.base import BLOCK_ATTENTION, MAP_ATTENTION, POSEMB, CheckpointError, check_array, square_side
 from keras_vit.checkpoints.resample import resample_position_embeddings
 
 # === Key names ===
@@ -243,7 +243,8 @@ def _check_options(params, target_shapes, key_name):
 
 
 def convert_checkpoint(
-    params, target_shapes, grid_size, *, interpolation="bicubic", skip_mismatched_head=True, key_name=str
+    params, target_shapes, grid_size, *, interpolation="bicubic", skip_mismatched_head=True, key_name=str,
+    num_heads=None,
 ):
     """Maps a canonical checkpoint onto a model's weights.
 
@@ -255,14 +256,17 @@ def convert_checkpoint(
         interpolation, skip_mismatched_head: as for `load_pretrained`.
         key_name: the name of a canonical key in the file, for messages
             (e.g. `keras_vit.checkpoints.timm.timm_key`).
+        num_heads: the model's attention heads, checked against the
+            (D, heads, head_dim) attention kernels of the original layout.
 
     Returns:
         (weights, notes): {path: array} for every weight to set, and messages
         about what was resampled, dropped or left as initialised.
 
     Raises:
-        CheckpointError naming the key for a missing key, a shape mismatch or a
-        key the model has no place for.
+        CheckpointError naming the key for a missing key, a shape mismatch, a
+        key the model has no place for, an array that is not floating-point
+        or not finite, or another head count.
     """
     _check_options(params, target_shapes, key_name)
     weights, notes, used = {}, [], set()
@@ -272,7 +276,18 @@ def convert_checkpoint(
         if key not in params:
             raise _missing(key, params, key_name)
         used.add(key)
-        return np.asarray(params[key])
+        value = check_array(params[key], key_name(key))
+        attention_kernel = re.search(rf"(?:{BLOCK_ATTENTION}|{MAP_ATTENTION})/(query|key|value|out)/kernel$", key)
+        if num_heads and attention_kernel and value.ndim == 3:
+            # Stored as (D, heads, head_dim), or (heads, head_dim, D) for `out`: the one place a file says its
+            # head count, which a model of the same width and another count would otherwise take silently.
+            heads = value.shape[0] if attention_kernel.group(1) == "out" else value.shape[1]
+            if heads != num_heads:
+                raise CheckpointError(
+                    f"The checkpoint's {key_name(key)!r} has shape {value.shape}: {heads} attention heads; the model "
+                    f"has {num_heads}. Build it with num_heads={heads}."
+                )
+        return value
 
     for path, shape in target_shapes.items():
         shape = tuple(shape)
@@ -307,6 +322,13 @@ def convert_checkpoint(
                     value = value[:, 1:]
                 patches = grid_size[0] * grid_size[1]
                 if value.shape[1] - has_class_token != patches and value.shape[-1] == shape[-1]:
+                    if square_side(value.shape[1] - has_class_token) is None:
+                        raise CheckpointError(
+                            f"The checkpoint's {key_name(theirs)!r} has {value.shape[1] - has_class_token} patch "
+                            f"rows, not a square grid, and the model's grid is {grid_size[0]}x{grid_size[1]}: build "
+                            "the model at the checkpoint's own image size, or resample them with "
+                            "keras_vit.resample_position_embeddings(..., old_grid=...) first."
+                        )
                     notes.append(
                         f"Position embeddings resampled from {value.shape[1] - has_class_token} to "
                         f"{grid_size[0]}x{grid_size[1]} patches ({interpolation})."

@@ -11,7 +11,7 @@ import logging
 import keras
 
 from keras_vit.checkpoints import timm
-from keras_vit.checkpoints.base import check_interpolation
+from keras_vit.checkpoints.base import CheckpointError, check_interpolation
 from keras_vit.checkpoints.formats import read_checkpoint, write_npz, write_safetensors
 from keras_vit.checkpoints.google import canonicalize, convert_checkpoint, to_checkpoint
 from keras_vit.layers import PatchEncoder, TransformerBlock
@@ -43,7 +43,10 @@ def load_pretrained(model, path, *, interpolation=None, skip_mismatched_head=Tru
     its state dict in an .npz).
 
     All of the checkpoint is read, converted and checked against the model
-    before any weight is assigned: on any error the model is unchanged.
+    before any weight is assigned: every array floating-point and finite,
+    of the model's shape and (where the file stores it) head count; on any
+    error (a `CheckpointError` naming the key, what was expected and what was
+    found) the model is unchanged.
 
     Args:
         model: a model from `build_vit` (any resolution, classifier, head).
@@ -61,7 +64,14 @@ def load_pretrained(model, path, *, interpolation=None, skip_mismatched_head=Tru
     """
     if interpolation is not None:
         check_interpolation(interpolation)
-    params, grid_size = read_checkpoint(path), _encoder(model).grid_size
+    import tensorflow as tf  # tf.io.gfile reads local and gs:// paths; the JAX backend needs TensorFlow only here.
+
+    grid_size = _encoder(model).grid_size
+    if tf.io.gfile.isdir(path):
+        raise CheckpointError(f"{path!r} is a directory; expected a checkpoint file (.npz or .safetensors).")
+    if tf.io.gfile.exists(path) and tf.io.gfile.stat(path).length == 0:
+        raise CheckpointError(f"{path!r} is empty (0 bytes); expected a checkpoint file (.npz or .safetensors).")
+    params = read_checkpoint(path)
     if timm.MARKER in params:
         params, notes = timm.from_timm(params, _num_heads(model), grid_size)
         key_name, interpolation = timm.timm_key, interpolation or "bicubic_antialias"
@@ -76,6 +86,7 @@ def load_pretrained(model, path, *, interpolation=None, skip_mismatched_head=Tru
         interpolation=interpolation,
         skip_mismatched_head=skip_mismatched_head,
         key_name=key_name,
+        num_heads=_num_heads(model),
     )
     for path_, value in weights.items():
         variables[path_].assign(value.astype(variables[path_].dtype))
