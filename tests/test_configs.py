@@ -1,6 +1,7 @@
 """The shipped experiment configs: they parse, build their model, and fail early without their data."""
 
 import importlib
+import re
 
 import keras
 import pytest
@@ -97,3 +98,36 @@ def test_imagenet_s16_evaluation_crop_is_big_vision_resize_small_256_central_cro
     theirs = tf.cast(tf.clip_by_value(resized[top:top + 224, left:left + 224], 0, 255), tf.uint8).numpy()
     difference = np.abs(ours.astype(int) - theirs.astype(int))
     assert ours.shape == (224, 224, 3) and difference.mean() < 1.25 and difference.max() <= 8, difference.mean()
+
+
+BAD_FIELDS = [
+    ("learning_rate", -1.0), ("learning_rate", 0), ("epochs", -1), ("epochs", 0), ("batch_size", 0),
+    ("precision", "float8"), ("optimizer", "adam"), ("decay", "step"), ("label_smoothing", 1.0),
+    ("validation_fraction", 1.0), ("test_fraction", 0.0), ("backup_every", -5), ("warmup_steps", -1),
+    ("model.variant", "Q/16"), ("model.classifier", "cls"), ("model.dropout_rate", 1.5), ("image_size", 30),
+    ("augment.crop_area_range", (0.5, 0.1)), ("augment.randaugment", (2, -1)), ("augment.switch_prob", 2),
+]
+
+
+@pytest.mark.parametrize("field, value", BAD_FIELDS, ids=[f"{f}={v}" for f, v in BAD_FIELDS])
+def test_a_bad_config_field_is_named_before_anything_runs(field, value):
+    from experiments import config_checks
+
+    config = importlib.import_module("experiments.configs.imagenet_s16").get_config()  # patch 16: 30 px fails
+    *parents, last = field.split(".")
+    node = config
+    for parent in parents:
+        node = node[parent]
+    with node.ignore_type():
+        node[last] = value
+    shown = field.split("[")[0]
+    with pytest.raises(config_checks.ConfigError, match=rf"config\.{re.escape(shown)}.*Received"):
+        config_checks.check_config(config)
+
+
+@pytest.mark.parametrize("name", [*CONFIGS, "scaling", "transfer"])
+def test_the_shipped_configs_pass_the_checks(name):
+    from experiments import config_checks
+
+    config = importlib.import_module(f"experiments.configs.{name}").get_config()
+    assert config_checks.check_config(config) is config
