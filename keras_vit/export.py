@@ -22,6 +22,7 @@ import tempfile
 import numpy as np
 
 from keras_vit.data import IMAGE_MAGIC, center_crop_resize
+from keras_vit.files import atomic_path, write_bytes_atomically
 from keras_vit.kernels import portable_ops
 from keras_vit.requirements import import_tensorflow
 
@@ -35,14 +36,11 @@ class ExportError(RuntimeError):
 
 
 def _check_destination(path, overwrite):
+    """`path` as a string; FileExistsError if it exists and `overwrite` is False.  An existing file or folder is
+    left in place: the writers replace it only once the new one is complete (`atomic_path`)."""
     path = os.fspath(path)
-    if tf.io.gfile.exists(path):
-        if not overwrite:
-            raise FileExistsError(f"{path!r} already exists; pass overwrite=True to replace it.")
-        if tf.io.gfile.isdir(path):
-            tf.io.gfile.rmtree(path)
-        else:
-            tf.io.gfile.remove(path)
+    if tf.io.gfile.exists(path) and not overwrite:
+        raise FileExistsError(f"{path!r} already exists; pass overwrite=True to replace it.")
     return path
 
 
@@ -129,14 +127,17 @@ def export_saved_model(model, path, *, class_names=None, top_k=None, crop_fracti
         )
         return serve_images(images)
 
-    _write_saved_model(
-        model,
-        path,
-        {
-            "serving_default": (serve_images, tf.TensorSpec([None, height, width, channels], tf.uint8, name="images")),
-            "serving_bytes": (serve_bytes, tf.TensorSpec([None], tf.string, name="encoded")),
-        },
-    )
+    with atomic_path(path) as temporary:
+        _write_saved_model(
+            model,
+            temporary,
+            {
+                "serving_default": (
+                    serve_images, tf.TensorSpec([None, height, width, channels], tf.uint8, name="images")
+                ),
+                "serving_bytes": (serve_bytes, tf.TensorSpec([None], tf.string, name="encoded")),
+            },
+        )
     return path
 
 
@@ -252,9 +253,7 @@ def export_tflite(
     custom = [name for name in tflite_operators(flatbuffer) if name.startswith("CUSTOM")]
     if custom:
         raise ExportError(f"The TFLite model would need custom or Flex ops: {custom}.")
-    with tf.io.gfile.GFile(path, "wb") as f:
-        f.write(flatbuffer)
-    return path
+    return write_bytes_atomically(path, flatbuffer)
 
 
 def _convert(converter, quantize, representative_data, num_calibration_images):
@@ -316,10 +315,6 @@ def export_onnx(model, path, *, opset=17, overwrite=False):
     path = _check_destination(path, overwrite)
     serve = tf.function(lambda images: model(images, training=False))
     spec = [tf.TensorSpec([None, height, width, channels], tf.float32, name="images")]
-    with tempfile.TemporaryDirectory() as tmp:
-        local = os.path.join(tmp, "model.onnx")
-        with portable_ops():
-            tf2onnx.convert.from_function(serve, input_signature=spec, opset=opset, output_path=local)
-        with open(local, "rb") as src, tf.io.gfile.GFile(path, "wb") as dst:
-            dst.write(src.read())
+    with atomic_path(path) as temporary, portable_ops():
+        tf2onnx.convert.from_function(serve, input_signature=spec, opset=opset, output_path=temporary)
     return path

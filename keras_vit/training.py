@@ -20,6 +20,7 @@ can build, train and benchmark models without it installed.
 import keras
 
 from keras_vit.compat import ClipAfterAllReduce
+from keras_vit.files import atomic_path, write_text_atomically
 from keras_vit.kernels import policy
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -104,7 +105,8 @@ class CSVLog(keras.callbacks.Callback):
 
     Keras's CSVLogger fails on remote paths (keras 3.15: it asks the GFile for
     `closed`) and object stores cannot append, so the whole file is rewritten
-    after each epoch.  Rows already in the file (a resumed run) are kept.
+    after each epoch, whole or not at all (`keras_vit.files.atomic_path`).
+    Rows already in the file (a resumed run) are kept.
     """
 
     def __init__(self, path):
@@ -122,15 +124,44 @@ class CSVLog(keras.callbacks.Callback):
                 self.header, self.rows = lines[0].split(","), lines[1:]
 
     def on_epoch_end(self, epoch, logs=None):
-        import tensorflow as tf
-
         logs = logs or {}
         if self.header is None:
             self.header = ["epoch"] + sorted(logs)
         values = {"epoch": epoch, **logs}
         self.rows.append(",".join(str(float(values[k]) if k != "epoch" else epoch) for k in self.header))
-        with tf.io.gfile.GFile(self.path, "w") as f:
-            f.write("\n".join([",".join(self.header), *self.rows]) + "\n")
+        write_text_atomically(self.path, "\n".join([",".join(self.header), *self.rows]) + "\n")
+
+
+class AtomicModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keras' `ModelCheckpoint` (same arguments, monitor and `save_best_only`
+    included) that writes each checkpoint whole or not at all.
+
+    Keras writes `filepath` in place: a save that fails (a full disk) would
+    leave a damaged file where the best model was.  Here each save goes to a
+    temporary beside `filepath` (`keras_vit.files.atomic_path`), renamed onto
+    it once complete.  Saves once per epoch (`save_freq="epoch"`), to one
+    path (no `{epoch}` placeholders).
+    """
+
+    def __init__(self, filepath, **kwargs):
+        if kwargs.get("save_freq", "epoch") != "epoch":
+            raise ValueError(f"AtomicModelCheckpoint saves once per epoch. Received: save_freq={kwargs['save_freq']!r}")
+        filepath = str(filepath)
+        if "{" in filepath:
+            raise ValueError(f"AtomicModelCheckpoint writes one path, without placeholders. Received: {filepath!r}")
+        super().__init__(filepath, **kwargs)
+        self.destination = filepath
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Keras reads the format from the name's end (".keras", ".h5", ".weights.h5"): the temporary keeps it.
+        suffix = ".weights.h5" if self.destination.endswith(".weights.h5") else "." + self.destination.split(".")[-1]
+        try:
+            with atomic_path(self.destination, suffix=suffix) as temporary:
+                # What `ModelCheckpoint` saves, if anything, goes to the temporary.
+                self.filepath = temporary
+                super().on_epoch_end(epoch, logs)
+        finally:
+            self.filepath = self.destination
 
 
 # === XLA or not ===

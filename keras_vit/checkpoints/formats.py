@@ -11,6 +11,7 @@ import zipfile
 import numpy as np
 
 from keras_vit.checkpoints.base import CheckpointError
+from keras_vit.files import write_bytes_atomically
 
 # === Bytes ===
 
@@ -26,11 +27,9 @@ def read_bytes(path):
 
 
 def write_bytes(data, path):
-    """Writes `data` to the file at `path` (local or gs:// path)."""
-    import tensorflow as tf
-
-    with tf.io.gfile.GFile(path, "wb") as f:
-        f.write(data)
+    """Writes `data` to the file at `path` (local or gs:// path) whole or not at all
+    (`keras_vit.files.atomic_path`): a failed write leaves the previous file as it was."""
+    write_bytes_atomically(path, data)
 
 
 # === .npz ===

@@ -8,10 +8,10 @@ way.
 """
 
 import math
-import uuid
 
 import numpy as np
 
+from keras_vit.files import atomic_path
 from keras_vit.visualize.analysis import (
     attention_rollout,
     attention_weights,
@@ -40,21 +40,16 @@ def save_figure(figure, path, *, dpi=100):
     """Writes a matplotlib figure as a PNG to `path` (local, gs:// or any TensorFlow file system), closes it,
     returns the path as a string.
 
-    The PNG is written under a temporary name beside `path` and renamed when
-    complete, so a failed write leaves no partial file.
+    The PNG is written whole or not at all (`keras_vit.files.atomic_path`):
+    under a temporary name, renamed onto `path` when complete, so a failed
+    write leaves the previous file as it was and no partial file.
     """
-    import tensorflow as tf
-
     path = str(path)
-    temporary = f"{path}.tmp-{uuid.uuid4().hex}"
     try:
-        with tf.io.gfile.GFile(temporary, "wb") as f:
-            figure.savefig(f, format="png", dpi=dpi)
-        tf.io.gfile.rename(temporary, path, overwrite=True)
+        with atomic_path(path) as temporary:
+            figure.savefig(temporary, format="png", dpi=dpi)
     finally:
         pyplot().close(figure)
-        if tf.io.gfile.exists(temporary):
-            tf.io.gfile.remove(temporary)
     return path
 
 
