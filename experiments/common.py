@@ -23,7 +23,6 @@ import json
 import sys
 import time
 import types
-import uuid
 from collections.abc import Callable
 
 import keras
@@ -35,6 +34,7 @@ from ml_collections import config_flags
 import keras_vit
 from keras_vit import data as vit_data
 from keras_vit import training, visualize
+from keras_vit.files import write_text_atomically
 from keras_vit.variants import ViTConfig, parse_variant, to_pair
 
 # === Model and optimizer ===
@@ -492,17 +492,9 @@ def summarize(results):
 
 
 def write_text(path, text):
-    """Writes `text` to `path` (local or gs://) under a temporary name, renamed when complete; returns path."""
-    path = str(path)
-    temporary = f"{path}.tmp-{uuid.uuid4().hex}"
-    try:
-        with tf.io.gfile.GFile(temporary, "w") as f:
-            f.write(text)
-        tf.io.gfile.rename(temporary, path, overwrite=True)
-    finally:
-        if tf.io.gfile.exists(temporary):
-            tf.io.gfile.remove(temporary)
-    return path
+    """Writes `text` to `path` (local or gs://) whole or not at all (`keras_vit.files.atomic_path`): under a
+    temporary name, renamed when complete; returns path."""
+    return write_text_atomically(str(path), text)
 
 
 def write_json(path, data):

@@ -34,6 +34,7 @@ import keras_vit
 from experiments import common
 from keras_vit import export, parallel, training, visualize
 from keras_vit.distribute import STRATEGIES, get_strategy, is_chief
+from keras_vit.files import atomic_path
 
 
 def define_flags():
@@ -227,7 +228,8 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
     best_path = tf.io.gfile.join(workdir, "best.keras")
     selection = []
     if dataset.validation is not None:
-        selection = [keras.callbacks.ModelCheckpoint(
+        # Written whole or not at all: a failed save keeps the best model so far.
+        selection = [training.AtomicModelCheckpoint(
             best_path, monitor="val_accuracy", save_best_only=True,
             initial_value_threshold=best_logged(workdir, best_path),
         )]
@@ -257,7 +259,8 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
     test_ds = dataset.make_test()
     test_loss, test_accuracy = model.evaluate(test_ds, verbose=0)
     model_path = tf.io.gfile.join(workdir, "model.keras")
-    model.save(model_path)
+    with atomic_path(model_path, suffix=".keras") as temporary:
+        model.save(temporary)
     metrics = {
         "test_accuracy": float(test_accuracy),  # The final model's.
         "test_loss": float(test_loss),
