@@ -8,10 +8,11 @@ checkpointer does with a temporary folder, and as `os.replace` was made for.
 What is guaranteed, by where `path` is:
 
 - A local path (or file://): the temporary lies beside `path` (same folder, so same file system), named
-  `.<name>.tmp-<random>`; a file is flushed to disk (fsync) and renamed onto `path` by one POSIX rename, which is
-  atomic: a reader sees the old file or the new one, never a mix, even if the process is killed.  A folder (a
-  SavedModel) replaces an existing one in three renames: the old one aside (`.<name>.old-<random>`), the new one
-  in, the old one deleted; a process killed between the first two leaves the old folder under the aside name.
+  `.<name>.tmp-<random>`; a file is flushed to disk (fsync), given the mode of the file it replaces, and renamed
+  onto `path` by one POSIX rename, which is atomic: a reader sees the old file or the new one, never a mix, even
+  if the process is killed.  A folder (a SavedModel) replaces an existing one in three renames: the old one aside
+  (`.<name>.old-<random>`), the new one in, the old one deleted; a process killed between the first two leaves
+  the old folder under the aside name.
 - Any other TensorFlow file system (gs://, ram://, ...): the block writes to a local temporary (`tempfile`), which
   is then copied to `.<name>.tmp-<random>` beside `path` and renamed onto it with `tf.io.gfile`.  Object stores
   have no atomic rename (a rename there is a copy and a delete, file by file for a folder), but nothing partial
@@ -25,6 +26,7 @@ import contextlib
 import os
 import posixpath
 import shutil
+import stat
 import tempfile
 import uuid
 
@@ -111,6 +113,8 @@ def _sync_local(path):
 def _replace_local(new, path):
     """Moves `new` onto `path`: one atomic rename for a file onto a file, else the old one aside first."""
     if not os.path.isdir(new) and not os.path.isdir(path):
+        if os.path.exists(path):  # The file keeps its mode; a new one gets the umask's.
+            os.chmod(new, stat.S_IMODE(os.stat(path).st_mode))
         _sync_local(new)
         os.replace(new, path)
         return

@@ -176,7 +176,10 @@ def test_an_error_inside_the_block_keeps_the_previous_file(tmp_path, root):
     with tf.io.gfile.GFile(path, "rb") as f:
         assert f.read() == "new é".encode()
     assert tf.io.gfile.listdir(folder) == ["weights.bin"]
-    if root == "local":  # The temporary lies beside the destination, hidden.
+    if root == "local":  # The temporary lies beside the destination, hidden; the file keeps its mode.
+        os.chmod(path, 0o600)
+        write_bytes_atomically(path, b"private")
+        assert os.stat(path).st_mode & 0o777 == 0o600
         with atomic_path(path, suffix=".keras") as temporary:
             assert os.path.dirname(temporary) == folder
             assert os.path.basename(temporary).startswith(".weights.bin.tmp-") and temporary.endswith(".keras")
