@@ -31,7 +31,7 @@ import tensorflow as tf
 from absl import app, flags, logging
 
 import keras_vit
-from experiments import common
+from experiments import common, config_checks
 from keras_vit import export, parallel, training, visualize
 from keras_vit.distribute import STRATEGIES, get_strategy, is_chief
 from keras_vit.files import atomic_path
@@ -146,6 +146,8 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
     in force (`keras.distribution.set_distribution`) spreads the work.  The
     batch size in `config` is global.  `callbacks` are added to `fit`'s own.
     """
+    # Every field first: a bad value fails here, before a work directory is made or a file replaced.
+    config_checks.check_config(config)
     if keras.backend.backend() == "tensorflow":
         strategy = strategy or get_strategy("one_device")
         scope, chief = strategy.scope(), is_chief(strategy)

@@ -131,3 +131,28 @@ def test_the_shipped_configs_pass_the_checks(name):
 
     config = importlib.import_module(f"experiments.configs.{name}").get_config()
     assert config_checks.check_config(config) is config
+
+
+@pytest.mark.parametrize(
+    "field, value, pattern",
+    [("learning_rate", -1.0, r"config\.learning_rate must be a number in \(0.0, inf\]. Received: --config"),
+     ("epochs", -1, r"config\.epochs must be an integer >= 1. Received: --config.epochs=-1"),
+     ("precision", "float8", r"config\.precision must be a Keras dtype policy")],
+)
+def test_the_job_refuses_a_bad_field_before_making_or_touching_the_workdir(tmp_path, field, value, pattern):
+    from experiments import config_checks
+    from experiments.configs import digits
+
+    config = digits.get_config()
+    with config.ignore_type():
+        config[field] = value
+    with pytest.raises(config_checks.ConfigError, match=pattern):
+        train.train_and_evaluate(config, str(tmp_path / "new"))
+    assert not (tmp_path / "new").exists()
+    # An existing run's files are left as they were.
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.json").write_text('{"test_accuracy": 0.98}')
+    with pytest.raises(config_checks.ConfigError, match=pattern):
+        train.train_and_evaluate(config, str(tmp_path / "old"))
+    assert [p.name for p in (tmp_path / "old").iterdir()] == ["metrics.json"]
+    assert (tmp_path / "old" / "metrics.json").read_text() == '{"test_accuracy": 0.98}'

@@ -23,10 +23,8 @@ import json
 import os
 import pathlib
 import shlex
-import stat
 import subprocess
 import sys
-import tempfile
 
 SCHEMA = 1
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -157,18 +155,11 @@ def make_row(mode, config, measured, argv=None, date=None):
 
 
 def write_text(path, text):
-    """Writes `text` to `path` under a temporary name beside it, renamed over it when complete: an
-    interrupted write leaves the previous file as it was. The file keeps its mode (new files: 0644)."""
-    path = pathlib.Path(path)
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "w") as f:
-            f.write(text)
-        os.chmod(temporary, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    """Writes `text` to `path` whole or not at all (`keras_vit.files.write_text_atomically`: under a
+    temporary name beside it, renamed over it when complete; the file keeps its mode)."""
+    from keras_vit.files import write_text_atomically  # Here: reading rows needs no Keras.
+
+    write_text_atomically(path, text)
 
 
 def append_row(path, row):
