@@ -637,3 +637,30 @@ def test_a_directory_an_empty_file_and_a_non_square_grid_each_get_their_own_mess
         write(params, tmp_path / "grid.npz"), r"has 18 patch rows, not a square grid, and the model's grid is 4x4",
         model={"image_size": 16},
     )
+
+
+def test_a_zip_bomb_and_an_empty_archive_are_refused_before_decompressing(source, tmp_path):
+    import zipfile
+
+    model, path = source
+    limit = checkpoints.checkpoint_bytes_limit(model)
+    assert limit == 16 * sum(int(np.prod(v.shape)) for v in model.weights if "seed_generator" not in v.path) + 2**20
+    # 64 MiB of zeros behind an .npy header, deflated to about 64 KiB: 40x this model's limit.
+    bomb = tmp_path / "bomb.npz"
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (2**24,)})
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as archive, archive.open("head/bias.npy", "w") as f:
+        f.write(header.getvalue())
+        for _ in range(64):
+            f.write(bytes(2**20))
+    assert bomb.stat().st_size < 2**20 < limit
+    assert_load_fails_unchanged(
+        str(bomb), r"declares 67,108,\d{3} bytes of arrays once decompressed \('head/bias.npy'.*refused before"
+    )
+    # A file larger than the limit is not even read.
+    big = tmp_path / "big.npz"
+    big.write_bytes(bytes(limit + 1))
+    assert_load_fails_unchanged(str(big), r"more than a checkpoint of this model can hold .*refused before reading")
+    empty = tmp_path / "empty_archive.npz"
+    np.savez(empty)
+    assert_load_fails_unchanged(str(empty), r"an .npz archive of no array")

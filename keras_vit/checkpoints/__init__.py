@@ -26,12 +26,19 @@ from keras_vit.checkpoints.formats import (
     write_safetensors,
 )
 from keras_vit.checkpoints.google import canonicalize, convert_checkpoint, to_checkpoint
-from keras_vit.checkpoints.model_io import load_pretrained, model_checkpoint, save_npz, save_timm
+from keras_vit.checkpoints.model_io import (
+    checkpoint_bytes_limit,
+    load_pretrained,
+    model_checkpoint,
+    save_npz,
+    save_timm,
+)
 from keras_vit.checkpoints.resample import resample_position_embeddings
 from keras_vit.checkpoints.surgery import freeze_backbone, replace_head, set_image_size
 from keras_vit.checkpoints.timm import from_timm, timm_key, to_timm
 
 __all__ = [
+    "checkpoint_bytes_limit",
     "INTERPOLATIONS",
     "CheckpointError",
     "canonicalize",

@@ -35,16 +35,34 @@ def write_bytes(data, path):
 # === .npz ===
 
 
-def read_npz_bytes(data, path, other_format=None):
+def read_npz_bytes(data, path, other_format=None, max_bytes=None):
     """The arrays of an .npz file's bytes `data` (read from `path`, named in errors), pickling disabled.
 
     `other_format` describes what else the bytes were tried as, for the message when they are no zip archive.
+    `max_bytes`: the most the arrays may take once decompressed; the sizes the archive declares are checked
+    against it before anything is decompressed (a small file can declare gigabytes), and an archive of no
+    array is refused.
     """
     if not zipfile.is_zipfile(io.BytesIO(data)):
         raise CheckpointError(
             f"{path!r} is not an .npz checkpoint (a zip archive of .npy arrays)"
             + (f" {other_format}" if other_format else "")
             + f"; read {len(data)} bytes starting {data[:8]!r}. A truncated download looks like this too."
+        )
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError) as error:
+        raise CheckpointError(f"{path!r} is truncated or corrupt: {error}") from None
+    if not entries:
+        raise CheckpointError(f"{path!r} is an .npz archive of no array; expected a checkpoint's weights.")
+    declared = sum(entry.file_size for entry in entries)
+    if max_bytes is not None and declared > max_bytes:
+        largest = max(entries, key=lambda entry: entry.file_size)
+        raise CheckpointError(
+            f"{path!r} ({len(data):,} bytes) declares {declared:,} bytes of arrays once decompressed "
+            f"({largest.filename!r}: {largest.file_size:,}), more than a checkpoint of this model can hold "
+            f"({max_bytes:,}); refused before decompressing."
         )
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
@@ -115,10 +133,20 @@ def write_safetensors(arrays, path):
 # === Either ===
 
 
-def read_checkpoint(path):
+def read_checkpoint(path, max_bytes=None):
     """Reads an .npz or .safetensors checkpoint (local or gs:// path, told apart by their contents)
-    as a dict of arrays; nothing is unpickled."""
+    as a dict of arrays; nothing is unpickled.  With `max_bytes`, a file, or the arrays an .npz declares,
+    larger than that is refused before it is read or decompressed."""
+    if max_bytes is not None:
+        import tensorflow as tf
+
+        size = tf.io.gfile.stat(path).length if tf.io.gfile.exists(path) else 0
+        if size > max_bytes:
+            raise CheckpointError(
+                f"{path!r} is {size:,} bytes, more than a checkpoint of this model can hold ({max_bytes:,}); "
+                "refused before reading it."
+            )
     data = read_bytes(path)
     if is_safetensors(data):
         return read_safetensors(data, path)
-    return read_npz_bytes(data, path, "nor a .safetensors file (a JSON header, then the arrays)")
+    return read_npz_bytes(data, path, "nor a .safetensors file (a JSON header, then the arrays)", max_bytes)

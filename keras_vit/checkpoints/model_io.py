@@ -9,6 +9,7 @@ changes nothing.
 import logging
 
 import keras
+import numpy as np
 
 from keras_vit.checkpoints import timm
 from keras_vit.checkpoints.base import CheckpointError, check_interpolation
@@ -37,6 +38,13 @@ def _num_heads(model):
     return heads.pop() if heads else 1
 
 
+def checkpoint_bytes_limit(model):
+    """The most bytes a checkpoint for `model` may hold or declare: its weights twice over in float64 (room
+    for a larger head or position-embedding grid than the model's, in any float type), plus 1 MiB of headers
+    and extra keys. What is larger is refused before it is read or decompressed (a zip bomb)."""
+    return 16 * sum(int(np.prod(v.shape)) for v in _variables(model).values()) + 2**20
+
+
 def load_pretrained(model, path, *, interpolation=None, skip_mismatched_head=True):
     """Loads a ViT checkpoint into a model from `build_vit`: an original one (.npz,
     local or gs://) or timm's (`model.safetensors` from the Hugging Face hub, or
@@ -44,7 +52,8 @@ def load_pretrained(model, path, *, interpolation=None, skip_mismatched_head=Tru
 
     All of the checkpoint is read, converted and checked against the model
     before any weight is assigned: every array floating-point and finite,
-    of the model's shape and (where the file stores it) head count; on any
+    of the model's shape and (where the file stores it) head count, and
+    nothing read or decompressed past `checkpoint_bytes_limit(model)`; on any
     error (a `CheckpointError` naming the key, what was expected and what was
     found) the model is unchanged.
 
@@ -71,7 +80,7 @@ def load_pretrained(model, path, *, interpolation=None, skip_mismatched_head=Tru
         raise CheckpointError(f"{path!r} is a directory; expected a checkpoint file (.npz or .safetensors).")
     if tf.io.gfile.exists(path) and tf.io.gfile.stat(path).length == 0:
         raise CheckpointError(f"{path!r} is empty (0 bytes); expected a checkpoint file (.npz or .safetensors).")
-    params = read_checkpoint(path)
+    params = read_checkpoint(path, max_bytes=checkpoint_bytes_limit(model))
     if timm.MARKER in params:
         params, notes = timm.from_timm(params, _num_heads(model), grid_size)
         key_name, interpolation = timm.timm_key, interpolation or "bicubic_antialias"
