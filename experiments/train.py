@@ -32,7 +32,7 @@ from absl import app, flags, logging
 
 import keras_vit
 from experiments import common, config_checks
-from keras_vit import export, parallel, training, visualize
+from keras_vit import backups, export, parallel, training, visualize
 from keras_vit.distribute import STRATEGIES, get_strategy, is_chief
 from keras_vit.files import atomic_path
 
@@ -150,7 +150,7 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
     config_checks.check_config(config)
     if keras.backend.backend() == "tensorflow":
         strategy = strategy or get_strategy("one_device")
-        scope, chief = strategy.scope(), is_chief(strategy)
+        scope, chief = strategy.scope, is_chief(strategy)
         worker = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0)
     elif strategy is not None:
         raise ValueError(
@@ -160,11 +160,10 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
         )
     else:
         worker = _process_index()
-        scope, chief = contextlib.nullcontext(), worker == 0
+        scope, chief = contextlib.nullcontext, worker == 0
     if not chief:
         # Every worker runs the same program; only the chief writes the job's
-        # outputs, the others write theirs apart (Keras's BackupAndRestore
-        # handles its own files per worker).
+        # outputs, the others write theirs apart (each its own backups too).
         workdir = tf.io.gfile.join(workdir, "workers", str(worker))
     exports = export_kinds(config)
     if exports and keras.backend.backend() != "tensorflow":
@@ -200,7 +199,7 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
     keras.mixed_precision.set_global_policy(config.precision)
 
     # === Model, under the strategy's scope ===
-    with scope:
+    with scope():
         model = common.build_model(config, dataset.num_classes)
         if config.pretrained:
             # An original .npz checkpoint; a head of another size stays zero for this task.
@@ -235,18 +234,20 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
             best_path, monitor="val_accuracy", save_best_only=True,
             initial_value_threshold=best_logged(workdir, best_path),
         )]
+    # The state of an interrupted run: a killed run started again with the same command resumes from its
+    # newest usable backup (weights, optimizer and epoch together), losing at most `backup_every` steps.
+    backup_dir = tf.io.gfile.join(workdir, "backup")
+    with scope():  # The optimizer's variables are made (and loaded) where the strategy places them.
+        initial_epoch = backups.restore_backup(model, backup_dir)
     history = model.fit(
         dataset.train,
         epochs=config.epochs,
+        initial_epoch=initial_epoch,
         # Image sets repeat: each host runs the same steps whatever its share of skipped files.
         steps_per_epoch=steps_per_epoch,
         validation_data=dataset.validation,
         callbacks=[
-            # The state of an interrupted run: a killed run started again with the
-            # same command resumes from here, losing at most `backup_every` steps.
-            keras.callbacks.BackupAndRestore(
-                tf.io.gfile.join(workdir, "backup"), save_freq=config.backup_every
-            ),
+            backups.Backup(backup_dir, save_freq=config.backup_every),
             keras.callbacks.TerminateOnNaN(),
             *selection,
             training.CSVLog(tf.io.gfile.join(workdir, "log.csv")),

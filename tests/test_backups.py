@@ -1,0 +1,103 @@
+"""A run's backups: saved whole, the last two kept, restored whole, a damaged one named and passed over."""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+
+from keras_vit import backups
+
+
+class StopAfter(keras.callbacks.Callback):
+    """Kills the run (an exception out of `fit`) at the end of epoch `epoch` (0-based), after the backup."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise KeyboardInterrupt("killed")
+
+
+def make_model():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    model.compile(keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+DATA = (np.random.default_rng(0).normal(size=(32, 4)).astype("float32"), np.arange(32) % 3)
+
+
+@pytest.fixture()
+def interrupted(tmp_path):
+    """A run killed after its third epoch: its backup folder, and its weights and optimizer step then."""
+    keras.utils.set_random_seed(0)
+    model, folder = make_model(), tmp_path / "backup"
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(*DATA, batch_size=8, epochs=5, verbose=0,
+                  callbacks=[backups.Backup(str(folder)), StopAfter(2)])  # fmt: skip
+    return folder, [w.numpy() for w in model.weights], int(model.optimizer.iterations.numpy())
+
+
+def names(folder):
+    return sorted(path.name for path in folder.iterdir())
+
+
+def test_the_last_two_backups_are_kept_and_the_newest_restores_weights_optimizer_and_epoch(interrupted):
+    folder, weights, step = interrupted
+    assert names(folder) == [f"state-0000000{i}.{kind}" for i in (1, 2) for kind in ("json", "weights.h5")]
+    model = make_model()
+    assert backups.restore_backup(model, str(folder)) == 3
+    assert int(model.optimizer.iterations.numpy()) == step == 12
+    for restored, expected in zip(model.weights, weights):
+        np.testing.assert_array_equal(restored.numpy(), expected)
+    # Resumed, the run ends at the epoch it was asked for, then removes its backups.
+    history = model.fit(*DATA, batch_size=8, epochs=5, initial_epoch=3, verbose=0,
+                        callbacks=[backups.Backup(str(folder))])  # fmt: skip
+    assert len(history.history["loss"]) == 2 and int(model.optimizer.iterations.numpy()) == 20
+    assert not folder.exists()
+
+
+def test_a_damaged_or_incomplete_newest_backup_is_named_and_the_previous_one_used(interrupted, caplog):
+    folder, _, _ = interrupted
+    newest = folder / "state-00000002.weights.h5"
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated
+    model = make_model()
+    with caplog.at_level(logging.WARNING, logger="keras_vit"):
+        assert backups.restore_backup(model, str(folder)) == 2
+    assert "state-00000002.json is damaged or incomplete" in caplog.text
+    assert int(model.optimizer.iterations.numpy()) == 8  # the epoch and the weights of the same backup
+    # A backup without its JSON (the run died before writing it) is never used: no weights without their epoch.
+    (folder / "state-00000001.json").unlink()
+    (folder / "state-00000002.json").write_text("{not json")
+    with pytest.raises(backups.BackupError, match=r"No usable backup in .*state-00000002.json.*Delete .* to start"):
+        backups.restore_backup(make_model(), str(folder))
+
+
+def test_no_backup_means_epoch_zero_and_a_failed_save_keeps_the_previous_backups(interrupted, tmp_path):
+    assert backups.restore_backup(make_model(), str(tmp_path / "none")) == 0
+    folder, _, _ = interrupted
+    before = {name: (folder / name).read_bytes() for name in names(folder)}
+    model = make_model()
+    backups.restore_backup(model, str(folder))
+
+    def fail(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    model.save_weights = fail
+    backup = backups.Backup(str(folder))
+    backup.set_model(model)
+    with pytest.raises(OSError, match="No space left"):
+        backup.save()
+    assert {name: (folder / name).read_bytes() for name in names(folder)} == before
+
+
+def test_a_backup_of_another_optimizer_is_not_restored_without_its_state(interrupted):
+    """Keras only warns when a saved optimizer does not fit: the weights alone would resume another run."""
+    folder, _, _ = interrupted
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    model.compile(keras.optimizers.SGD(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(backups.BackupError, match=r"state-00000002.json .*Skipping variable loading for optimizer"):
+        backups.restore_backup(model, str(folder))
