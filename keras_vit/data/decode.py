@@ -150,6 +150,12 @@ def mark_failures(records, transform, end):
     return ds.scan(tf.constant(-1, tf.int64), measure_gap)
 
 
+def load_or_end(load, reference, is_end):
+    """The encoded bytes `load(reference)` gives, or a valid one-pixel image for the end record of a pass
+    (`mark_failures`), whose reference is empty."""
+    return tf.cond(is_end, lambda: tf.constant(ONE_PIXEL_PNG), lambda: load(reference))
+
+
 def _all_failed(missing, what, example, error=None):
     because = f": {error}" if error else ""
     return (
@@ -245,8 +251,7 @@ def decode_skipping_failures(records, load, failures, what, reload):
     """
 
     def transform(reference, is_end):
-        return decode_image(tf.cond(is_end, lambda: tf.constant(ONE_PIXEL_PNG), lambda: load(reference)))
+        return decode_image(load_or_end(load, reference, is_end))
 
-    records = records.map(lambda reference, label, name: (reference, label, name))
     marked = mark_failures(records, transform, tf.constant(""))
     return note_failures(marked, failures, what, reload)

@@ -22,6 +22,7 @@ from keras_vit.data.decode import (
     ONE_PIXEL_PNG,
     carry_failures,
     decode_image,
+    load_or_end,
     mark_failures,
     note_failures,
     record_failures,
@@ -134,7 +135,7 @@ def training_pipeline(
         if cache:
             # The encoded bytes, read once and kept (their failures to read reported once), then shuffled.
             def load(reference, is_end):
-                return tf.cond(is_end, lambda: tf.constant(ONE_PIXEL_PNG), lambda: source.load(reference)), reference
+                return load_or_end(source.load, reference, is_end), reference
 
             loaded = report(mark_failures(records, load, tf.constant("")))
             encoded = loaded.map(lambda outputs, label: (outputs[0], label, outputs[1])).cache()
