@@ -135,17 +135,21 @@ def write_safetensors(arrays, path):
 
 def read_checkpoint(path, max_bytes=None):
     """Reads an .npz or .safetensors checkpoint (local or gs:// path, told apart by their contents)
-    as a dict of arrays; nothing is unpickled.  With `max_bytes`, a file, or the arrays an .npz declares,
-    larger than that is refused before it is read or decompressed."""
-    if max_bytes is not None:
-        import tensorflow as tf
+    as a dict of arrays; nothing is unpickled.  A directory and an empty file are refused with their own
+    messages; with `max_bytes`, a file, or the arrays an .npz declares, larger than that is refused before it
+    is read or decompressed."""
+    import tensorflow as tf
 
-        size = tf.io.gfile.stat(path).length if tf.io.gfile.exists(path) else 0
-        if size > max_bytes:
-            raise CheckpointError(
-                f"{path!r} is {size:,} bytes, more than a checkpoint of this model can hold ({max_bytes:,}); "
-                "refused before reading it."
-            )
+    if tf.io.gfile.isdir(path):
+        raise CheckpointError(f"{path!r} is a directory; expected a checkpoint file (.npz or .safetensors).")
+    size = tf.io.gfile.stat(path).length if tf.io.gfile.exists(path) else None  # None: read_bytes names it.
+    if size == 0:
+        raise CheckpointError(f"{path!r} is empty (0 bytes); expected a checkpoint file (.npz or .safetensors).")
+    if max_bytes is not None and size is not None and size > max_bytes:
+        raise CheckpointError(
+            f"{path!r} is {size:,} bytes, more than a checkpoint of this model can hold ({max_bytes:,}); "
+            "refused before reading it."
+        )
     data = read_bytes(path)
     if is_safetensors(data):
         return read_safetensors(data, path)

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 
 from keras_vit.checkpoints import timm
-from keras_vit.checkpoints.base import CheckpointError, check_interpolation
+from keras_vit.checkpoints.base import check_interpolation
 from keras_vit.checkpoints.formats import read_checkpoint, write_npz, write_safetensors
 from keras_vit.checkpoints.google import canonicalize, convert_checkpoint, to_checkpoint
 from keras_vit.layers import PatchEncoder, TransformerBlock
@@ -73,13 +73,7 @@ def load_pretrained(model, path, *, interpolation=None, skip_mismatched_head=Tru
     """
     if interpolation is not None:
         check_interpolation(interpolation)
-    import tensorflow as tf  # tf.io.gfile reads local and gs:// paths; the JAX backend needs TensorFlow only here.
-
     grid_size = _encoder(model).grid_size
-    if tf.io.gfile.isdir(path):
-        raise CheckpointError(f"{path!r} is a directory; expected a checkpoint file (.npz or .safetensors).")
-    if tf.io.gfile.exists(path) and tf.io.gfile.stat(path).length == 0:
-        raise CheckpointError(f"{path!r} is empty (0 bytes); expected a checkpoint file (.npz or .safetensors).")
     params = read_checkpoint(path, max_bytes=checkpoint_bytes_limit(model))
     if timm.MARKER in params:
         params, notes = timm.from_timm(params, _num_heads(model), grid_size)
