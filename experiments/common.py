@@ -147,7 +147,13 @@ def image_source(config):
         seed=config.seed,
         validation_fraction=config.validation_fraction,
         validation_split=config.validation_split or None,
+        image_limits=image_limits(config),
     )
+
+
+def image_limits(config):
+    """config.image_limits as a `keras_vit.data.ImageLimits`."""
+    return vit_data.ImageLimits(**config.image_limits)
 
 
 def load_digits(config):
@@ -396,7 +402,8 @@ def extra_evaluations(config, model, strategy=None):
         data = f"tfds:{spec.dataset}:{spec.split}"
         try:
             images, count, num_classes = vit_data.load_tfds_evaluation(
-                spec.dataset, spec.split, data_dir=config.data_dir or None, label_key=spec.get("label", "label")
+                spec.dataset, spec.split, data_dir=config.data_dir or None, label_key=spec.get("label", "label"),
+                image_limits=image_limits(config),
             )
             if num_classes != model.output_shape[-1]:
                 raise ValueError(f"it has {num_classes} classes, the model {model.output_shape[-1]}.")

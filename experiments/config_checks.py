@@ -122,6 +122,8 @@ def check_config(config):
     _real("test_fraction", config.test_fraction, 0.0, 1.0, low_open=True, high_open=True)
     _real("validation_fraction", config.validation_fraction, 0.0, 1.0, high_open=True)
     _real("crop_fraction", config.crop_fraction, 0.0, 1.0, low_open=True)
+    _integer("image_limits.max_pixels", config.image_limits.max_pixels, 1)
+    _real("image_limits.max_aspect_ratio", config.image_limits.max_aspect_ratio, 1.0)
     _integer("shuffle_buffer", config.shuffle_buffer, 1)
     _integer("max_shift", config.max_shift, 0)
     _integer("visualize_images", config.visualize_images, 1)

@@ -7,6 +7,8 @@ r"""Exports a trained model for serving and checks it against the Keras model.
 signatures), tflite (--quantize: none, float16, dynamic, int8) or onnx.  int8
 is calibrated on the digits training images when the model takes digits-sized
 images, otherwise on --calibration_images (an .npy file of NHWC pixels).
+--max_pixels and --max_aspect_ratio: the largest image `serving_bytes` decodes
+(`keras_vit.data.ImageLimits`); larger ones are refused from their header.
 Prints the file size and the parity of the artefact with the Keras model on the
 same images.
 """
@@ -20,6 +22,7 @@ from absl import flags
 
 from experiments import common
 from keras_vit import export
+from keras_vit.data.header import ImageLimits
 
 
 def define_flags():
@@ -32,6 +35,12 @@ def define_flags():
         "overwrite": flags.DEFINE_bool("overwrite", False, "Replace an existing --out."),
         "calibration_images": flags.DEFINE_string("calibration_images", None, ".npy images for int8 calibration."),
         "class_names": flags.DEFINE_list("class_names", None, "Class names for the SavedModel's outputs."),
+        "max_pixels": flags.DEFINE_integer(
+            "max_pixels", ImageLimits.max_pixels, "serving_bytes: the most pixels (width x height) decoded."
+        ),
+        "max_aspect_ratio": flags.DEFINE_float(
+            "max_aspect_ratio", ImageLimits.max_aspect_ratio, "serving_bytes: the longest side over the shortest."
+        ),
     }
 
 
@@ -79,7 +88,9 @@ def run_artefact(kind, path, images):
     return session.run(None, {session.get_inputs()[0].name: images.astype(np.float32)})[0]
 
 
-def export_and_check(model, kind, out, *, quantize=None, calibration=None, class_names=None, overwrite=False):
+def export_and_check(
+    model, kind, out, *, quantize=None, calibration=None, class_names=None, image_limits=None, overwrite=False
+):
     """Exports `model` as `kind` ("saved_model", "tflite" or "onnx") to `out`, then runs the artefact on 100
     sample images (`sample_images`) and compares it with the Keras model.
 
@@ -89,7 +100,9 @@ def export_and_check(model, kind, out, *, quantize=None, calibration=None, class
     """
     images = sample_images(model, 100)
     if kind == "saved_model":
-        path = export.export_saved_model(model, out, class_names=class_names, overwrite=overwrite)
+        path = export.export_saved_model(
+            model, out, class_names=class_names, image_limits=image_limits, overwrite=overwrite
+        )
     elif kind == "tflite":
         path = export.export_tflite(
             model, out, quantize=quantize, representative_data=images if calibration is None else calibration,
@@ -118,6 +131,7 @@ def main(cli):
         quantize=None if cli.quantize.value == "none" else cli.quantize.value,
         calibration=np.load(cli.calibration_images.value) if cli.calibration_images.value else None,
         class_names=cli.class_names.value,
+        image_limits=ImageLimits(cli.max_pixels.value, cli.max_aspect_ratio.value),
         overwrite=cli.overwrite.value,
     )
 

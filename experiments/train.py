@@ -99,12 +99,13 @@ def export_kinds(config):
     return kinds
 
 
-def export_model(model, kind, workdir, dataset):
+def export_model(model, kind, workdir, dataset, config):
     """Exports into workdir/export/; returns the path written."""
     out = tf.io.gfile.join(workdir, "export")
     if kind == "saved_model":
         return export.export_saved_model(
-            model, tf.io.gfile.join(out, "saved_model"), class_names=dataset.class_names, overwrite=True
+            model, tf.io.gfile.join(out, "saved_model"), class_names=dataset.class_names,
+            crop_fraction=config.crop_fraction, image_limits=common.image_limits(config), overwrite=True,
         )
     if kind == "onnx":
         return export.export_onnx(model, tf.io.gfile.join(out, "model.onnx"), overwrite=True)
@@ -294,7 +295,7 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
         for i, image in enumerate(images):
             visualize.write_figures(model, image, figures, prefix=f"test{i}_")
     for kind in exports:
-        metrics[f"export_{kind}"] = export_model(model, kind, workdir, dataset)
+        metrics[f"export_{kind}"] = export_model(model, kind, workdir, dataset, config)
     extra = common.extra_evaluations(config, model, strategy)
 
     # === best.keras, the model selected on the validation split, on the same data ===

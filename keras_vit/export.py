@@ -4,8 +4,9 @@ Every artefact takes raw pixels (the model rescales them itself), so it drops
 into a serving stack with no preprocessing code of ours:
 
 - `export_saved_model`: `serving_default` takes uint8 images
-  [batch, H, W, 3]; `serving_bytes` takes encoded JPEG/PNG/GIF/BMP bytes of
-  any size and decodes, resizes and center-crops in the graph.  Both return
+  [batch, H, W, 3]; `serving_bytes` takes encoded JPEG/PNG/GIF/BMP/WebP bytes
+  and decodes, resizes and center-crops in the graph, refusing images past
+  `ImageLimits` before decoding them.  Both return
   `logits`, `probabilities`, `top_k` (class indices) and `top_k_probabilities`,
   plus `top_k_names` when class names are given.  Load it with plain
   `tf.saved_model.load` or as `keras.layers.TFSMLayer`.
@@ -21,7 +22,8 @@ import tempfile
 
 import numpy as np
 
-from keras_vit.data import IMAGE_MAGIC, center_crop_resize
+from keras_vit.data import center_crop_resize, decode_image
+from keras_vit.data.header import as_image_limits
 from keras_vit.files import atomic_path, write_bytes_atomically
 from keras_vit.kernels import portable_ops
 from keras_vit.requirements import import_tensorflow
@@ -66,26 +68,9 @@ def _outputs(logits, top_k, class_names):
     return outputs
 
 
-def _decode(encoded, height, width, channels, crop_fraction):
-    """One encoded image -> uint8 (height, width, channels), with a clear error for non-images."""
-    header = tf.strings.substr(encoded, 0, 4)
-    known = tf.reduce_any(
-        [tf.equal(tf.strings.substr(encoded, 0, len(magic)), magic) for magic in IMAGE_MAGIC.values()]
-    )
-    check = tf.debugging.Assert(
-        known,
-        [
-            "serving_bytes expects encoded JPEG, PNG, GIF or BMP images; received bytes starting with",
-            header,
-        ],
-    )
-    with tf.control_dependencies([check]):
-        image = tf.io.decode_image(encoded, channels=channels, expand_animations=False)
-    image.set_shape([None, None, channels])
-    return center_crop_resize(image, (height, width), crop_fraction)
-
-
-def export_saved_model(model, path, *, class_names=None, top_k=None, crop_fraction=1.0, overwrite=False):
+def export_saved_model(
+    model, path, *, class_names=None, top_k=None, crop_fraction=1.0, image_limits=None, overwrite=False
+):
     """Writes a SavedModel (local or gs://) with two serving signatures.
 
     Args:
@@ -97,12 +82,21 @@ def export_saved_model(model, path, *, class_names=None, top_k=None, crop_fracti
             or all classes if there are fewer).
         crop_fraction: for `serving_bytes`, the central fraction kept (1.0:
             resize the shorter side to the model's size and crop the longer).
+        image_limits: for `serving_bytes`, the largest image decoded
+            (`keras_vit.data.ImageLimits`: total pixels and aspect ratio; None:
+            its defaults).  A request with an image past them, or with bytes
+            that are not an image, fails with an InvalidArgumentError naming
+            the limit and the image's size, before anything is decoded; a GIF
+            is cut after its first frame, the only one decoded.
         overwrite: replace an existing `path`.
 
     Returns:
         The path written.
     """
     height, width, channels = _image_shape(model)
+    if channels not in (1, 3):
+        raise ValueError(f"Expected a model of RGB or grey-scale images (3 or 1 channels). Received: {channels}")
+    limits = as_image_limits(image_limits)
     num_classes = model.output_shape[-1]
     if class_names is not None:
         class_names = [str(name) for name in class_names]
@@ -120,8 +114,14 @@ def export_saved_model(model, path, *, class_names=None, top_k=None, crop_fracti
         return _outputs(model(tf.cast(images, tf.float32), training=False), top_k, class_names)
 
     def serve_bytes(encoded):
+        def decode(encoded):
+            image = decode_image(encoded, limits)
+            if channels == 1:
+                image = tf.cast(tf.round(tf.image.rgb_to_grayscale(tf.cast(image, tf.float32))), tf.uint8)
+            return center_crop_resize(image, (height, width), crop_fraction)
+
         images = tf.map_fn(
-            lambda e: _decode(e, height, width, channels, crop_fraction),
+            decode,
             encoded,
             fn_output_signature=tf.TensorSpec([height, width, channels], tf.uint8),
         )

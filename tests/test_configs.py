@@ -106,6 +106,7 @@ BAD_FIELDS = [
     ("validation_fraction", 1.0), ("test_fraction", 0.0), ("backup_every", -5), ("warmup_steps", -1),
     ("model.variant", "Q/16"), ("model.classifier", "cls"), ("model.dropout_rate", 1.5), ("image_size", 30),
     ("augment.crop_area_range", (0.5, 0.1)), ("augment.randaugment", (2, -1)), ("augment.switch_prob", 2),
+    ("image_limits.max_pixels", 0), ("image_limits.max_aspect_ratio", 0.5),
 ]
 
 
@@ -123,6 +124,15 @@ def test_a_bad_config_field_is_named_before_anything_runs(field, value):
     shown = field.split("[")[0]
     with pytest.raises(config_checks.ConfigError, match=rf"config\.{re.escape(shown)}.*Received"):
         config_checks.check_config(config)
+
+
+def test_the_configs_image_limits_are_the_library_defaults():
+    import dataclasses
+
+    from keras_vit.data import ImageLimits
+
+    config = importlib.import_module("experiments.configs.common").get_base_config()
+    assert config.image_limits.to_dict() == dataclasses.asdict(ImageLimits())
 
 
 @pytest.mark.parametrize("name", [*CONFIGS, "scaling", "transfer"])

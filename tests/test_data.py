@@ -180,8 +180,10 @@ def test_odd_formats_decode_to_rgb_and_bad_files_are_skipped_and_named(tmp_path)
     assert sorted(source.skipped.paths) == sorted(bad)
     assert source.skipped.count == len(bad)  # each named once, though met twice
     errors = source.skipped.errors
-    assert "Unknown image file format" in errors[next(p for p in bad if p.endswith("tiff.jpg"))]
-    assert "Input is empty" in errors[next(p for p in bad if p.endswith("empty.gif"))]
+    # TIFF's "II*\0", named in hex: not a format decode_image reads.
+    assert "JPEG, PNG, GIF, BMP or WebP image; received" in errors[next(p for p in bad if p.endswith("tiff.jpg"))]
+    assert "starting with 49 49 2a 00" in errors[next(p for p in bad if p.endswith("tiff.jpg"))]
+    assert "image; received 0 bytes." in errors[next(p for p in bad if p.endswith("empty.gif"))]
     assert all(errors[p] for p in bad)
 
     # Evaluation: in order, the corrupt test file skipped and named too.
@@ -229,7 +231,8 @@ def test_a_split_where_every_file_fails_is_an_error_not_an_endless_loop(tmp_path
     corrupt = ["a/x.png", "b/y.png", "a/z.jpg", "b/w.jpg"]
     source = vit_data.load_folder(write_folder(tmp_path / "bad", ("a", "b"), 0, corrupt=corrupt), test_fraction=0.5)
     ds = vit_data.training_pipeline(source, 8, 1)  # endless: without the check it would spin forever
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"All 2 examples of the train split failed .*Unknown"):
+    failed = r"All 2 examples of the train split failed .*Expected an encoded JPEG"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=failed):
         next(iter(ds))
     assert source.skipped.count == 2
     two = tf.distribute.InputContext(num_input_pipelines=3, input_pipeline_id=2)
@@ -353,7 +356,7 @@ def test_keras_vit_data_exports_every_public_name_of_its_modules():
     exported = set(vit_data.__all__)
     assert FORMER_NAMES <= exported, FORMER_NAMES - exported
     found = set()
-    for name in ("augment", "decode", "pipeline", "randaugment", "sources"):
+    for name in ("augment", "decode", "header", "pipeline", "randaugment", "sources"):
         module = importlib.import_module(f"keras_vit.data.{name}")
         public = {
             key for key, value in vars(module).items()
@@ -639,7 +642,7 @@ def test_through_tf_data_service_failures_are_named_here_and_workers_draw_their_
     assert set(found) == set(good)
     # Failures on the workers, named and counted in this process, with their errors.
     assert sorted(source.skipped.paths) == sorted(bad) and source.skipped.count == len(bad)
-    assert "Unknown image file format" in source.skipped.errors[next(p for p in bad if p.endswith("tiff.jpg"))]
+    assert "starting with 49 49 2a 00" in source.skipped.errors[next(p for p in bad if p.endswith("tiff.jpg"))]
     # Each worker draws its own seeds: fixed ones would make both give the same stream, every batch twice.
     batches = [x.tobytes() for x, _ in ds.take(12).as_numpy_iterator()]
     assert len(set(batches)) == len(batches)

@@ -73,7 +73,7 @@ def test_saved_model_signatures_match_keras(digits_run, tmp_path):
     )
     np.testing.assert_allclose(out["bytes_logits"][20:], model.predict(decoded, verbose=0), atol=1e-5)
     # Bytes that are not an image: a clear error for that request, and the process serves on.
-    assert "expects encoded JPEG, PNG, GIF or BMP images" in str(out["bad_request_error"])
+    assert "Expected an encoded JPEG, PNG, GIF, BMP or WebP image; received 19 bytes" in str(out["bad_request_error"])
     np.testing.assert_allclose(out["after_error_logits"], expected, atol=1e-5)
 
 

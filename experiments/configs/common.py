@@ -27,6 +27,9 @@ def get_base_config():
     config.validation_fraction = 0.1
     config.validation_split = ""
     config.crop_fraction = 1.0  # Evaluation: the central fraction kept.
+    # Image sets and the exported serving_bytes: the largest image decoded (keras_vit.data.ImageLimits, whose
+    # defaults these are); larger ones are refused from their header, skipped and named.
+    config.image_limits = ml_collections.ConfigDict({"max_pixels": 1 << 25, "max_aspect_ratio": 20.0})
     config.cache = False  # Image sets: keep the encoded bytes in memory after the first epoch.
     config.shuffle_buffer = 10_000  # Image sets: examples shuffled per input pipeline (host).
     # "grpc://HOST:PORT" of a tf.data service dispatcher: the training input pipeline runs on its workers

@@ -11,9 +11,13 @@ no download).  Image folders and TFDS sets are read and decoded on the fly
 distributed run, and an image that fails to decode is skipped and named, never
 fatal.
 
-Five modules, and `service` beside them; imports run `sources` -> `decode`,
-`augment` -> `decode`, `randaugment`, and `pipeline` -> `augment`, `decode`:
+Six modules, and `service` beside them; imports run `sources` -> `decode`,
+`header`, `decode` -> `header`, `augment` -> `decode`, `header`, `randaugment`,
+and `pipeline` -> `augment`, `decode`:
 
+- `header`: an encoded image's size read from its header before it is
+  decoded and checked against `ImageLimits` (total pixels, aspect ratio), a
+  GIF cut after its first frame (`check_image`);
 - `decode`: encoded bytes to uint8 RGB (`decode_image`), and records decoded
   with the failures skipped and named (`decode_skipping_failures`, and its
   graph-only parts `mark_failures`, `note_failures`, `carry_failures`;
@@ -59,12 +63,23 @@ from keras_vit.data.decode import (
     ONE_PIXEL_PNG,
     DecodeFailures,
     carry_failures,
+    decode_checked,
     decode_image,
     decode_skipping_failures,
     load_or_end,
     mark_failures,
     note_failures,
     record_failures,
+)
+from keras_vit.data.header import (
+    EXPECTED_FORMATS,
+    FORMATS,
+    MAX_GIF_STEPS,
+    ImageLimits,
+    as_image_limits,
+    check_image,
+    gif_first_frame,
+    image_format,
 )
 from keras_vit.data.pipeline import image_pipeline, make_pipeline, training_pipeline
 from keras_vit.data.randaugment import RANDAUGMENT_OPS, apply_op, draw_ops, rand_augment
@@ -81,25 +96,34 @@ from keras_vit.data.sources import (
 )
 
 __all__ = [
+    "EXPECTED_FORMATS",
+    "FORMATS",
     "IMAGE_EXTENSIONS",
     "IMAGE_MAGIC",
     "INCEPTION_AREA_RANGE",
     "INCEPTION_ASPECT_RANGE",
+    "MAX_GIF_STEPS",
     "NAMED_IN_A_ROW",
     "ONE_PIXEL_PNG",
     "RANDAUGMENT_OPS",
     "Dataset",
     "DecodeFailures",
+    "ImageLimits",
     "ImageSource",
     "Split",
     "apply_op",
+    "as_image_limits",
     "carry_failures",
     "center_crop_resize",
+    "check_image",
     "crop_flip_resize",
     "decode_and_crop",
+    "decode_checked",
     "decode_image",
     "decode_skipping_failures",
     "draw_ops",
+    "gif_first_frame",
+    "image_format",
     "image_pipeline",
     "inception_crop",
     "load_digits",

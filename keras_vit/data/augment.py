@@ -7,7 +7,8 @@ image can also come in encoded (`decode_and_crop`): a JPEG is then decoded insid
 
 import tensorflow as tf
 
-from keras_vit.data.decode import IMAGE_MAGIC, decode_image
+from keras_vit.data.decode import decode_checked
+from keras_vit.data.header import IMAGE_MAGIC, check_image
 from keras_vit.data.randaugment import rand_augment
 
 
@@ -65,27 +66,30 @@ def inception_crop(image, seed, area_range=INCEPTION_AREA_RANGE):
     return tf.slice(image, begin, size)
 
 
-def decode_and_crop(encoded, seed, area_range=INCEPTION_AREA_RANGE):
+def decode_and_crop(encoded, seed, area_range=INCEPTION_AREA_RANGE, limits=None):
     """Encoded image bytes -> the uint8 (h, w, 3) Inception crop `inception_crop` takes with the same seed.
 
     A JPEG is decoded inside the crop only (`tf.image.decode_and_crop_jpeg`,
     its size read from its header), which for a crop of a fraction of the
     image saves most of the decoding, as big_vision's
     `decode_jpeg_and_inception_crop` does; other formats are decoded whole,
-    then cropped.  Data it cannot decode raises `InvalidArgumentError`.
+    then cropped.  An image past `limits` (an `ImageLimits`; None: the
+    defaults) is refused before any decoding, and data it cannot decode
+    raises `InvalidArgumentError`.
     """
+    data, size = check_image(encoded, limits)
 
     def jpeg():
-        begin, size = _crop_box(tf.image.extract_jpeg_shape(encoded), seed, area_range)
-        window = tf.stack([begin[0], begin[1], size[0], size[1]])
-        image = tf.image.decode_and_crop_jpeg(encoded, window, channels=3)
+        begin, crop = _crop_box(tf.concat([tf.cast(size, tf.int32), [3]], 0), seed, area_range)
+        window = tf.stack([begin[0], begin[1], crop[0], crop[1]])
+        image = tf.image.decode_and_crop_jpeg(data, window, channels=3)
         image.set_shape([None, None, 3])
         return image
 
     def other():
-        return inception_crop(decode_image(encoded), seed, area_range)
+        return inception_crop(decode_checked(data), seed, area_range)
 
-    return tf.cond(tf.strings.substr(encoded, 0, 3) == IMAGE_MAGIC["JPEG"], jpeg, other)
+    return tf.cond(tf.strings.substr(data, 0, 3) == IMAGE_MAGIC["JPEG"], jpeg, other)
 
 
 def resize_flip(image, seed, size, *, flip=True):

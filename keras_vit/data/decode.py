@@ -1,7 +1,8 @@
 """Encoded images to uint8 RGB arrays, and the examples that fail to decode skipped and named.
 
-`decode_image` reads every format a folder of photos holds; `decode_skipping_failures` runs it over a pass of
-records inside tf.data, leaves out those that fail and names them in a `DecodeFailures`.
+`decode_image` reads every format a folder of photos holds, within `ImageLimits` (`keras_vit.data.header`);
+`decode_skipping_failures` runs it over a pass of records inside tf.data, leaves out those that fail and
+names them in a `DecodeFailures`.
 """
 
 import re
@@ -10,19 +11,26 @@ import threading
 import tensorflow as tf
 from absl import logging
 
-# The first bytes of each format tf.io.decode_image reads.
-IMAGE_MAGIC = {"JPEG": b"\xff\xd8\xff", "PNG": b"\x89PNG", "GIF": b"GIF8", "BMP": b"BM"}
+from keras_vit.data.header import IMAGE_MAGIC, check_image  # noqa: F401 (IMAGE_MAGIC: imported from here too)
 
 
-def decode_image(encoded):
-    """Encoded JPEG, PNG, GIF, BMP or WebP bytes -> uint8 (H, W, 3).
+def decode_image(encoded, limits=None):
+    """Encoded JPEG, PNG, GIF, BMP or WebP bytes -> uint8 (H, W, 3), within `limits`.
 
-    Grey-scale and palette images are expanded to RGB, an alpha channel is
-    dropped, CMYK JPEGs are converted, 16-bit PNGs are scaled to 8 bits
-    (`value >> 8`) and a GIF gives its first frame.  Data it cannot decode
+    The size is read from the header first and checked against `limits`
+    (an `ImageLimits`; None: the defaults), so an image too large to afford
+    is refused before it is decoded.  Grey-scale and palette images are
+    expanded to RGB, an alpha channel is dropped, CMYK JPEGs are converted,
+    16-bit PNGs are scaled to 8 bits (`value >> 8`) and a GIF gives its
+    first frame, the only one decoded.  Data it cannot decode or refuses
     raises `tf.errors.InvalidArgumentError`.
     """
-    image = tf.io.decode_image(encoded, channels=3, dtype=tf.uint8, expand_animations=False)
+    return decode_checked(check_image(encoded, limits)[0])
+
+
+def decode_checked(data):
+    """`decode_image` of bytes that `check_image` has passed (and cut, for a GIF)."""
+    image = tf.io.decode_image(data, channels=3, dtype=tf.uint8, expand_animations=False)
     image.set_shape([None, None, 3])
     return image
 
@@ -164,16 +172,17 @@ def _all_failed(missing, what, example, error=None):
     )
 
 
-def record_failures(failures, missing, names, reload):
+def record_failures(failures, missing, names, reload, limits=None):
     """Adds to `failures` (a `DecodeFailures`) `missing` failures, `names` (bytes, NUL-separated) the names
-    of the last of them; each new name is tried once more with `reload` for its error's message."""
+    of the last of them; each new name is tried once more with `reload` (and the `limits` the pipeline
+    decodes within) for its error's message."""
     missing = int(missing)
     names = [name.decode("utf-8", errors="replace") for name in names.split(_NAME_SEPARATOR.encode()) if name]
     for name in names:
         if name in failures:  # Met in an earlier pass.
             continue
         try:  # Once more, eagerly, for the error's message.
-            decode_image(reload(name))
+            decode_image(reload(name), limits)
             error = "failed in the input pipeline, decoded when tried again (a transient read error?)"
         except tf.errors.OpError as e:
             error = _error_message(e)
@@ -183,14 +192,14 @@ def record_failures(failures, missing, names, reload):
     return names
 
 
-def note_failures(marked, failures, what, reload):
+def note_failures(marked, failures, what, reload, limits=None):
     """`mark_failures`' elements -> (outputs, label), the failures recorded in `failures` as they are met
     (Python, in this process), the end record dropped.  When every record of the pass failed, iterating
     raises an error naming `what`: there is nothing to train on, and a repeated pipeline would otherwise
     spin forever."""
 
     def note(missing, nothing_yet, label, names):
-        names = record_failures(failures, missing, names.numpy(), reload)
+        names = record_failures(failures, missing, names.numpy(), reload, limits)
         if label < 0 and nothing_yet:
             example = names[-1] if names else "?"
             raise ValueError(_all_failed(int(missing), what, example, failures.errors.get(example)))
@@ -239,19 +248,20 @@ def carry_failures(marked, what):
     return ds.filter(lambda outputs, label, missing, names: label >= 0)
 
 
-def decode_skipping_failures(records, load, failures, what, reload):
+def decode_skipping_failures(records, load, failures, what, reload, limits=None):
     """One pass of (reference, label, name) records -> (uint8 (H, W, 3) image, label), failures left out.
 
     `load` maps a reference to encoded bytes in the graph (`tf.io.read_file`
     for paths, the identity for bytes); `reload(name)` gives them again,
-    eagerly, for the message of an error.  Failures are found by
+    eagerly, for the message of an error; `limits` (an `ImageLimits`) are
+    those `decode_image` refuses images past.  Failures are found by
     `mark_failures` and recorded in `failures` (a `DecodeFailures`) by
     `note_failures`; good records never leave the graph.  When every record
     of the pass fails, iterating raises an error naming `what`.
     """
 
     def transform(reference, is_end):
-        return decode_image(load_or_end(load, reference, is_end))
+        return decode_image(load_or_end(load, reference, is_end), limits)
 
     marked = mark_failures(records, transform, tf.constant(""))
-    return note_failures(marked, failures, what, reload)
+    return note_failures(marked, failures, what, reload, limits)

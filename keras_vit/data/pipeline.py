@@ -89,8 +89,8 @@ def training_pipeline(
     image decoded inside its Inception crop (`decode_and_crop`: a JPEG only
     there), resized, flipped, optionally RandAugment-ed (`randaugment`: None,
     (num_ops, magnitude) for the published policy, or a function of (image,
-    seed)); images that fail to read or decode skipped and named in
-    `source.skipped`; batched per replica (`global_batch_size / replicas`),
+    seed)); images that fail to read or decode, or are past
+    `source.image_limits`, skipped and named in `source.skipped`; batched per replica (`global_batch_size / replicas`),
     labels one-hot; endless: `fit` is given `steps_per_epoch`, the same on
     every host.  Every random choice is stateless, from one seed per image
     drawn from `seed` (and the pipeline's index): the same seed gives the
@@ -122,7 +122,10 @@ def training_pipeline(
     def transform(inputs, is_end):
         encoded, image_seed = inputs
         encoded = tf.where(is_end, tf.constant(ONE_PIXEL_PNG), encoded)
-        image = decode_and_crop(encoded, image_seed, crop_area_range) if crop else decode_image(encoded)
+        if crop:
+            image = decode_and_crop(encoded, image_seed, crop_area_range, source.image_limits)
+        else:
+            image = decode_image(encoded, source.image_limits)
         image = resize_flip(image, image_seed, (height, width), flip=flip)
         return augment(image, randaugment_seed(image_seed)) if augment else image
 
@@ -151,7 +154,7 @@ def training_pipeline(
 
     if not data_service:
         def noted(marked):
-            return note_failures(marked, failures, what, source.reload)
+            return note_failures(marked, failures, what, source.reload, source.image_limits)
 
         # Each pipeline draws its own crops.
         ds = noted(marked_passes(input_context, seed + pipeline_id, noted)).repeat()
@@ -174,7 +177,7 @@ def training_pipeline(
     def note(missing, names):
         for count, joined in zip(missing.numpy(), names.numpy()):
             if count:
-                record_failures(failures, count, joined, source.reload)
+                record_failures(failures, count, joined, source.reload, source.image_limits)
         return True
 
     def strip(images, labels, missing, names):

@@ -19,6 +19,7 @@ import tensorflow as tf
 from absl import logging
 
 from keras_vit.data.decode import DecodeFailures, decode_image, decode_skipping_failures
+from keras_vit.data.header import ImageLimits, as_image_limits
 
 
 @dataclasses.dataclass
@@ -110,7 +111,9 @@ class ImageSource:
     was held out) is taken from the training data, and the training split is
     what is left of it.  `splits` says what each split is, in words (a TFDS
     split string such as "train[:99%]", or which files of a folder).  Images
-    that fail to read or decode are skipped and named in `skipped`.
+    that fail to read or decode are skipped and named in `skipped`, and so
+    are those past `image_limits` (refused before decoding, from the size
+    their header declares).
     """
 
     num_classes: int
@@ -125,6 +128,7 @@ class ImageSource:
     skipped: DecodeFailures = dataclasses.field(default_factory=DecodeFailures)
     num_validation: int = 0
     splits: dict = dataclasses.field(default_factory=dict)  # split -> what it is, in words
+    image_limits: ImageLimits = dataclasses.field(default_factory=ImageLimits)
 
     def decoded(self, split, *, input_context=None, shuffle=False, seed=0, shuffle_buffer=10_000):
         """The decoded (image, label) pairs of `split` ("train", "validation" or "test") for one input pipeline.
@@ -140,7 +144,7 @@ class ImageSource:
             what += f" read by input pipeline {input_context.input_pipeline_id} of {input_context.num_input_pipelines}"
         if total < 1:
             raise ValueError(f"No examples in {what}.")
-        return decode_skipping_failures(records, self.load, self.skipped, what, self.reload)
+        return decode_skipping_failures(records, self.load, self.skipped, what, self.reload, self.image_limits)
 
     def check_split(self, split):
         """Raises a ValueError unless this source has `split` ("validation" only when one was held out)."""
@@ -245,17 +249,18 @@ def _list_class_folders(root, skipped):
 
 def load_image_source(
     name, *, data_dir=None, test_split=None, test_fraction=0.2, seed=0, validation_fraction=0.0,
-    validation_split=None,
+    validation_split=None, image_limits=None,
 ):
     """The `ImageSource` named "tfds:NAME[:SPLIT]" (`load_tfds`, SPLIT the training split, default
     "train", e.g. "train[:99%]") or "folder:PATH" (`load_folder`); `validation_fraction` and (TFDS)
-    `validation_split` say what is held out of the training data for validation."""
+    `validation_split` say what is held out of the training data for validation; `image_limits` (an
+    `ImageLimits`) what images are decoded."""
     kind, _, rest = str(name).partition(":")
     if kind == "tfds" and rest:
         tfds_name, _, split = rest.partition(":")
         return load_tfds(
             tfds_name, data_dir=data_dir, train_split=split or "train", test_split=test_split,
-            validation_split=validation_split, validation_fraction=validation_fraction,
+            validation_split=validation_split, validation_fraction=validation_fraction, image_limits=image_limits,
         )
     if kind == "folder" and rest:
         if validation_split:
@@ -263,7 +268,10 @@ def load_image_source(
                 f"`validation_split` names a TFDS split; a folder holds out `validation_fraction` of its training "
                 f"files, or reads its validation/ subfolder. Received: validation_split={validation_split!r}"
             )
-        return load_folder(rest, test_fraction=test_fraction, seed=seed, validation_fraction=validation_fraction)
+        return load_folder(
+            rest, test_fraction=test_fraction, seed=seed, validation_fraction=validation_fraction,
+            image_limits=image_limits,
+        )
     raise ValueError(f"Unknown image data set {name!r}. Expected 'tfds:NAME[:SPLIT]' or 'folder:PATH'.")
 
 
@@ -281,7 +289,7 @@ def _hold_out_files(items, fraction, seed, num_classes):
     return kept, held, "stratified by class" if stratified else "at random"
 
 
-def load_folder(root, *, test_fraction=0.2, seed=0, validation_fraction=0.0):
+def load_folder(root, *, test_fraction=0.2, seed=0, validation_fraction=0.0, image_limits=None):
     """An image folder: `root/<class>/*.jpg|png|...`, or `root/train/<class>/...` and `root/test/<class>/...`
     (and `root/validation/<class>/...`, used as the validation split when present).
 
@@ -297,9 +305,12 @@ def load_folder(root, *, test_fraction=0.2, seed=0, validation_fraction=0.0):
     share of the training files is held out for validation, stratified and
     seeded; the test split does not depend on it.  Each split is kept sorted
     by path, so that sharding it over input pipelines (every n-th file) gives
-    each a share of every class.
+    each a share of every class.  `image_limits` (an `ImageLimits`; None: the
+    defaults): images past them are skipped and named like those that fail
+    to decode, before they are decoded.
     """
     _check_fraction("validation_fraction", validation_fraction, zero=True)
+    limits = as_image_limits(image_limits)
     root = str(root).rstrip("/")
     if not tf.io.gfile.isdir(root):
         raise ValueError(f"No folder at {root!r}.")
@@ -362,6 +373,7 @@ def load_folder(root, *, test_fraction=0.2, seed=0, validation_fraction=0.0):
         read=read, load=tf.io.read_file, reload=tf.io.read_file, skipped=skipped,
         num_validation=len(splits.get("validation", ())),
         splits={name: described[name] for name in ("train", "validation", "test") if name in splits},
+        image_limits=limits,
     )
 
 
@@ -423,7 +435,7 @@ def _slice_for_validation(train_split, fraction, num_examples):
 
 
 def load_tfds(name, *, data_dir=None, train_split="train", test_split=None, validation_split=None,
-              validation_fraction=0.0):
+              validation_fraction=0.0, image_limits=None):
     """A TensorFlow Datasets image classification set, read from `data_dir` (local or gs://).
 
     Nothing is downloaded: prepare the data set beforehand (`tfds build` or
@@ -439,8 +451,10 @@ def load_tfds(name, *, data_dir=None, train_split="train", test_split=None, vali
     `validation_fraction`, the last share of `train_split` (0.01 gives
     "train[:99%]" and "train[99%:]").  TFDS shuffles a set's examples when it
     prepares it, so a slice is a random sample.  Splits that share examples
-    are refused.
+    are refused.  `image_limits` (an `ImageLimits`; None: the defaults):
+    images past them are skipped and named, before they are decoded.
     """
+    limits = as_image_limits(image_limits)
     builder, splits, label = _prepared_tfds(name, data_dir)
     if test_split is None:
         test_split = "test" if "test" in splits else "validation"
@@ -488,6 +502,7 @@ def load_tfds(name, *, data_dir=None, train_split="train", test_split=None, vali
         read=read, load=lambda encoded: encoded, reload=reload,
         num_validation=counts.get("validation", 0),
         splits={split: names[split] for split in ("train", "validation", "test") if split in names},
+        image_limits=limits,
     )
 
 
@@ -523,7 +538,7 @@ def _tfds_reader(builder, splits, names):
     return read
 
 
-def load_tfds_evaluation(name, split, *, data_dir=None, label_key="label"):
+def load_tfds_evaluation(name, split, *, data_dir=None, label_key="label", image_limits=None):
     """One split of a prepared TFDS image set, for evaluation only: (tf.data of (uint8 (H, W, 3) image,
     label) in the split's order, its number of examples, number of classes).
 
@@ -531,12 +546,14 @@ def load_tfds_evaluation(name, split, *, data_dir=None, label_key="label"):
     Sequence of them, such as ImageNet ReaL's "real_label" in
     "imagenet2012_real" (the label is then a multi-hot float32 vector of the
     classes, all zero for an image with no label).  Made for extra test sets
-    (ImageNet-v2, ReaL); an image that fails to decode is left out with a
+    (ImageNet-v2, ReaL); an image that fails to decode, or is past
+    `image_limits` (an `ImageLimits`; None: the defaults), is left out with a
     warning, so count what comes out.  A ValueError when the set is not
     prepared in data_dir.
     """
     import tensorflow_datasets as tfds
 
+    limits = as_image_limits(image_limits)
     builder, splits, label = _prepared_tfds(name, data_dir, label_key)
     num_examples = splits[split].num_examples
     multi_label = isinstance(builder.info.features[label_key], tfds.features.Sequence)
@@ -547,7 +564,7 @@ def load_tfds_evaluation(name, split, *, data_dir=None, label_key="label"):
             labels = tf.minimum(tf.reduce_sum(tf.one_hot(labels, label.num_classes), axis=0), 1.0)
         else:
             labels = tf.cast(labels, tf.int32)
-        return decode_image(ex["image"]), labels
+        return decode_image(ex["image"], limits), labels
 
     ds = builder.as_dataset(split=split, shuffle_files=False, decoders={"image": tfds.decode.SkipDecoding()})
     ds = ds.map(example, num_parallel_calls=tf.data.AUTOTUNE).ignore_errors(log_warning=True)
