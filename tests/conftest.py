@@ -74,6 +74,7 @@ SHARED_FIXTURES = (
     "hybrid",
     "timm_reference",
     "failed_writes",
+    "small_saved_model",
 )
 
 

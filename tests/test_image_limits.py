@@ -206,7 +206,7 @@ def test_errors_are_ascii_whatever_bytes_arrive(kind):
 
 
 @pytest.fixture(scope="module")
-def saved_model(tmp_path_factory):
+def small_saved_model(tmp_path_factory):
     model = randomize_weights(
         keras_vit.build_vit("testing", image_size=32, num_classes=4, patch_size=8, num_heads=2, num_layers=2),
         scale=0.1,
@@ -214,8 +214,8 @@ def saved_model(tmp_path_factory):
     return export.export_saved_model(model, tmp_path_factory.mktemp("serving") / "sm")
 
 
-def test_serving_bytes_serves_webp_and_refuses_what_the_limits_refuse(saved_model):
-    serve = tf.saved_model.load(saved_model).signatures["serving_bytes"]
+def test_serving_bytes_serves_webp_and_refuses_what_the_limits_refuse(small_saved_model):
+    serve = tf.saved_model.load(small_saved_model).signatures["serving_bytes"]
     image = Image.fromarray(PHOTO)
     outputs = {
         kind: serve(encoded=tf.constant([STILLS[kind](image)]))["logits"].numpy()
@@ -230,7 +230,7 @@ def test_serving_bytes_serves_webp_and_refuses_what_the_limits_refuse(saved_mode
     # Limits chosen at export: a smaller max_pixels refuses this 53 x 37 image.
     model = keras_vit.build_vit("testing", image_size=32, num_classes=4, patch_size=8, num_heads=2, num_layers=2)
     strict = export.export_saved_model(
-        model, saved_model + "_strict", image_limits=vit_data.ImageLimits(max_pixels=1000)
+        model, small_saved_model + "_strict", image_limits=vit_data.ImageLimits(max_pixels=1000)
     )
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"53 x 37 .*max_pixels=1000 "):
         tf.saved_model.load(strict).signatures["serving_bytes"](encoded=tf.constant([STILLS["png"](image)]))
@@ -311,7 +311,7 @@ MEMORY_CHECK = textwrap.dedent(
 )
 
 
-def test_memory_stays_bounded_in_serving_and_evaluation(saved_model, tmp_path):
+def test_memory_stays_bounded_in_serving_and_evaluation(small_saved_model, tmp_path):
     gif, _ = many_frame_gif(2000, 400, levels=4)  # 2,000 frames of 400 x 400: 320 MB if all were decoded
     hostile = {"strip.png": blank_png(200_000, 1), "tall.png": blank_png(1, 1_000_000),
                "huge.png": blank_png(23_000, 23_000), "frames.gif": gif}
@@ -329,7 +329,7 @@ def test_memory_stays_bounded_in_serving_and_evaluation(saved_model, tmp_path):
         **good_files, **{f"test/{label}/{name}": data for label, (name, data) in zip("abab", hostile.items())}
     })
     result = subprocess.run(
-        [sys.executable, "-c", MEMORY_CHECK, saved_model, str(tmp_path / "data"), *paths],
+        [sys.executable, "-c", MEMORY_CHECK, small_saved_model, str(tmp_path / "data"), *paths],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
