@@ -19,7 +19,10 @@ JOB_FLAGS = {
     "train": ["config", "distribution", "mesh_shape", "multi_host", "strategy", "tpu", "workdir"],
     "scaling": ["config", "workdir"],
     "transfer": ["config", "workdir"],
-    "export": ["calibration_images", "class_names", "format", "model", "out", "overwrite", "quantize"],
+    "export": [
+        "calibration_images", "class_names", "format", "max_aspect_ratio", "max_pixels", "model", "out", "overwrite",
+        "quantize",
+    ],
     "visualize": ["image", "model", "out"],
     "data_service": ["dispatcher", "port", "role", "work_dir", "worker_address"],
 }
