@@ -75,9 +75,12 @@ from keras_vit.data.header import (
     EXPECTED_FORMATS,
     FORMATS,
     MAX_GIF_STEPS,
+    UNNAMED_REFUSAL,
     ImageLimits,
     as_image_limits,
     check_image,
+    check_jpeg,
+    check_other_formats,
     gif_first_frame,
     image_format,
 )
@@ -116,6 +119,8 @@ __all__ = [
     "carry_failures",
     "center_crop_resize",
     "check_image",
+    "check_jpeg",
+    "check_other_formats",
     "crop_flip_resize",
     "decode_and_crop",
     "decode_checked",
@@ -143,4 +148,5 @@ __all__ = [
     "record_failures",
     "resize_flip",
     "training_pipeline",
+    "UNNAMED_REFUSAL",
 ]

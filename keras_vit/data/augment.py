@@ -8,7 +8,7 @@ image can also come in encoded (`decode_and_crop`): a JPEG is then decoded insid
 import tensorflow as tf
 
 from keras_vit.data.decode import decode_checked
-from keras_vit.data.header import IMAGE_MAGIC, check_image
+from keras_vit.data.header import IMAGE_MAGIC, check_jpeg, check_other_formats
 from keras_vit.data.randaugment import rand_augment
 
 
@@ -66,7 +66,7 @@ def inception_crop(image, seed, area_range=INCEPTION_AREA_RANGE):
     return tf.slice(image, begin, size)
 
 
-def decode_and_crop(encoded, seed, area_range=INCEPTION_AREA_RANGE, limits=None):
+def decode_and_crop(encoded, seed, area_range=INCEPTION_AREA_RANGE, limits=None, *, messages=True):
     """Encoded image bytes -> the uint8 (h, w, 3) Inception crop `inception_crop` takes with the same seed.
 
     A JPEG is decoded inside the crop only (`tf.image.decode_and_crop_jpeg`,
@@ -74,22 +74,22 @@ def decode_and_crop(encoded, seed, area_range=INCEPTION_AREA_RANGE, limits=None)
     image saves most of the decoding, as big_vision's
     `decode_jpeg_and_inception_crop` does; other formats are decoded whole,
     then cropped.  An image past `limits` (an `ImageLimits`; None: the
-    defaults) is refused before any decoding, and data it cannot decode
-    raises `InvalidArgumentError`.
+    defaults) is refused before any decoding (`check_image`, with
+    `messages`), and data it cannot decode raises `InvalidArgumentError`.
     """
-    data, size = check_image(encoded, limits)
 
     def jpeg():
+        data, size = check_jpeg(encoded, limits, messages=messages)
         begin, crop = _crop_box(tf.concat([tf.cast(size, tf.int32), [3]], 0), seed, area_range)
-        window = tf.stack([begin[0], begin[1], crop[0], crop[1]])
-        image = tf.image.decode_and_crop_jpeg(data, window, channels=3)
+        image = tf.image.decode_and_crop_jpeg(data, tf.stack([begin[0], begin[1], crop[0], crop[1]]), channels=3)
         image.set_shape([None, None, 3])
         return image
 
     def other():
+        data, _ = check_other_formats(encoded, limits, messages=messages)
         return inception_crop(decode_checked(data), seed, area_range)
 
-    return tf.cond(tf.strings.substr(data, 0, 3) == IMAGE_MAGIC["JPEG"], jpeg, other)
+    return tf.cond(tf.strings.substr(encoded, 0, 3) == IMAGE_MAGIC["JPEG"], jpeg, other)
 
 
 def resize_flip(image, seed, size, *, flip=True):

@@ -14,7 +14,7 @@ from absl import logging
 from keras_vit.data.header import IMAGE_MAGIC, check_image  # noqa: F401 (IMAGE_MAGIC: imported from here too)
 
 
-def decode_image(encoded, limits=None):
+def decode_image(encoded, limits=None, *, messages=True):
     """Encoded JPEG, PNG, GIF, BMP or WebP bytes -> uint8 (H, W, 3), within `limits`.
 
     The size is read from the header first and checked against `limits`
@@ -23,9 +23,9 @@ def decode_image(encoded, limits=None):
     expanded to RGB, an alpha channel is dropped, CMYK JPEGs are converted,
     16-bit PNGs are scaled to 8 bits (`value >> 8`) and a GIF gives its
     first frame, the only one decoded.  Data it cannot decode or refuses
-    raises `tf.errors.InvalidArgumentError`.
+    raises `tf.errors.InvalidArgumentError` (`messages`: see `check_image`).
     """
-    return decode_checked(check_image(encoded, limits)[0])
+    return decode_checked(check_image(encoded, limits, messages=messages)[0])
 
 
 def decode_checked(data):
@@ -261,7 +261,8 @@ def decode_skipping_failures(records, load, failures, what, reload, limits=None)
     """
 
     def transform(reference, is_end):
-        return decode_image(load_or_end(load, reference, is_end), limits)
+        # The failures are named from a second, eager, decoding (`record_failures`): the fast checks suffice.
+        return decode_image(load_or_end(load, reference, is_end), limits, messages=False)
 
     marked = mark_failures(records, transform, tf.constant(""))
     return note_failures(marked, failures, what, reload, limits)

@@ -11,6 +11,7 @@ exported SavedModel does the same.
 
 import dataclasses
 
+import numpy as np
 import tensorflow as tf
 
 # The first bytes of each format tf.io.decode_image reads (a WebP file also has "WEBP" at byte 8).
@@ -67,15 +68,6 @@ def as_image_limits(limits):
     return limits
 
 
-def _require(condition, message):
-    """An assertion whose error is `message` alone (a string tensor), eagerly as in a graph."""
-    if tf.executing_eagerly():
-        if not bool(condition):
-            raise tf.errors.InvalidArgumentError(None, None, message.numpy().decode("ascii"))
-        return tf.no_op()
-    return tf.debugging.Assert(condition, [message], summarize=1)
-
-
 def _message(*parts):
     """A string tensor joining `parts`: strings, string tensors and integer tensors (in decimal)."""
     return tf.strings.join([
@@ -89,73 +81,84 @@ def _hex(data):
     return tf.strings.reduce_join(tf.gather(digits, tf.cast(data, tf.int32)), separator=" ")
 
 
-def _little(head, start, length):
-    """The unsigned little-endian integer of `length` bytes at `start` of the uint8 vector `head`, as int64."""
-    return sum(tf.cast(head[start + i], tf.int64) * (1 << (8 * i)) for i in range(length))
+# The integers the checks read from an image's first bytes: name -> (first byte, number of bytes, byte order).
+_FIELDS = {
+    "magic2": (0, 2, "little"), "magic3": (0, 3, "little"), "magic4": (0, 4, "little"), "zero": (0, 0, "little"),
+    "riff_kind": (8, 4, "little"),  # "WEBP" in a WebP file
+    "chunk": (12, 4, "little"),  # the first chunk's type: a PNG's "IHDR", a WebP's "VP8 ", "VP8L" or "VP8X"
+    "png_width": (16, 4, "big"), "png_height": (20, 4, "big"),
+    "gif_width": (6, 2, "little"), "gif_height": (8, 2, "little"),
+    "bmp_header": (14, 4, "little"), "bmp_width": (18, 4, "little"), "bmp_height": (22, 4, "little"),
+    "bmp_core_width": (18, 2, "little"), "bmp_core_height": (20, 2, "little"),  # a 12-byte BITMAPCOREHEADER's
+    "vp8_width": (26, 2, "little"), "vp8_height": (28, 2, "little"),  # 14 bits each, then 2 bits of scale
+    "vp8l_bits": (21, 4, "little"),  # 14 bits of width - 1, 14 of height - 1
+    "vp8x_flags": (20, 1, "little"), "vp8x_width": (24, 3, "little"), "vp8x_height": (27, 3, "little"),
+}
 
 
-def _big(head, start, length):
-    return sum(tf.cast(head[start + i], tf.int64) * (1 << (8 * (length - 1 - i))) for i in range(length))
+def _field_weights():
+    """(32, fields) float64: the first 32 bytes times this are every field at once (exact below 2**53)."""
+    weights = np.zeros((_HEAD, len(_FIELDS)))
+    for column, (start, length, order) in enumerate(_FIELDS.values()):
+        for i in range(length):
+            weights[start + i, column] = 256.0 ** (i if order == "little" else length - 1 - i)
+    return weights
+
+
+_WEIGHTS = _field_weights()
+
+
+def _as_int(magic):
+    return int.from_bytes(magic, "little")
+
+
+def _header_fields(encoded):
+    """{name: int64 scalar} of `_FIELDS`, read from the first bytes of `encoded` (zero-padded) in a few ops:
+    a header check runs once per image in the input pipelines, where every small op costs."""
+    head = tf.io.decode_raw(encoded, tf.uint8, fixed_length=_HEAD)
+    values = tf.linalg.matvec(_WEIGHTS, tf.cast(head, tf.float64), transpose_a=True)
+    return dict(zip(_FIELDS, tf.unstack(tf.cast(values, tf.int64)))), head
+
+
+def _format_index(fields):
+    """The index of the format in `FORMATS`, len(FORMATS) for none: each format is two fields' values."""
+    tests = [("magic3", "JPEG", "zero", b""), ("magic4", "PNG", "zero", b""), ("magic4", "GIF", "zero", b""),
+             ("magic2", "BMP", "zero", b""), ("magic4", "WebP", "riff_kind", b"WEBP")]
+    assert [name for _, name, _, _ in tests] == list(FORMATS)
+    values = tf.stack([fields[field] for field, _, _, _ in tests] + [fields[field] for _, _, field, _ in tests])
+    expected = [_as_int(IMAGE_MAGIC[name][: int(field[-1])]) for field, name, _, _ in tests]
+    expected += [_as_int(second) for _, _, _, second in tests]
+    matches = tf.reduce_all(tf.reshape(values == expected, [2, len(tests)]), axis=0)
+    return tf.argmax(tf.cast(tf.concat([matches, [True]], 0), tf.int32), output_type=tf.int32)
+
+
+def image_format(encoded):
+    """The index in `FORMATS` of the format of `encoded` (a scalar string), from its first bytes; -1 if none."""
+    index = _format_index(_header_fields(encoded)[0])
+    return tf.where(index == len(FORMATS), -1, index)
 
 
 def _int64(value):
     return tf.constant(value, tf.int64)
 
 
-def _bytes_at(prefix, start, expected):
-    """Whether `prefix` (`_prefix` of the encoded bytes) holds `expected` at `start`."""
-    return tf.strings.substr(prefix, start, len(expected)) == expected
-
-
-def _prefix(encoded):
-    """The first `_HEAD` bytes of `encoded`, zero-padded to that length, so that every header read is in range
-    (a read out of range would fail with an error quoting the bytes)."""
-    return tf.strings.join([tf.strings.substr(encoded, 0, _HEAD), b"\0" * _HEAD])
-
-
-def image_format(encoded):
-    """The index in `FORMATS` of the format of `encoded` (a scalar string), from its first bytes; -1 if none."""
-    encoded = _prefix(encoded)
-    index = tf.constant(-1, tf.int32)
-    for i, (name, magic) in reversed(list(enumerate(IMAGE_MAGIC.items()))):
-        match = _bytes_at(encoded, 0, magic)
-        if name == "WebP":
-            match = tf.logical_and(match, _bytes_at(encoded, 8, b"WEBP"))
-        index = tf.where(match, i, index)
-    return index
-
-
-def _png_size(prefix, head):
-    size = tf.stack([_big(head, 20, 4), _big(head, 16, 4)])
-    return tf.where(_bytes_at(prefix, 12, b"IHDR"), size, 0)
-
-
-def _bmp_size(head):
-    # A BITMAPCOREHEADER (12 bytes) has 16-bit sizes; the later headers 32-bit signed ones, a negative
-    # height meaning rows stored top-down.
-    core = _little(head, 14, 4) == 12
-    width = tf.where(core, _little(head, 18, 2), _little(head, 18, 4))
-    height = tf.where(core, _little(head, 20, 2), _little(head, 22, 4))
-    height = tf.where(height >= 1 << 31, (1 << 32) - height, height)
-    return tf.stack([height, tf.where(width >= 1 << 31, _int64(0), width)])
-
-
-def _webp_size(prefix, head):
-    """(height, width) of a WebP from its first chunk: lossy "VP8 ", lossless "VP8L" or extended "VP8X"."""
-    bits = _little(head, 21, 4)
-    sizes = {
-        b"VP8 ": tf.stack([_little(head, 28, 2) % (1 << 14), _little(head, 26, 2) % (1 << 14)]),
-        b"VP8L": tf.stack([bits // (1 << 14) % (1 << 14) + 1, bits % (1 << 14) + 1]),
-        b"VP8X": tf.stack([_little(head, 27, 3) + 1, _little(head, 24, 3) + 1]),
-    }
-    size = tf.zeros([2], tf.int64)
-    for chunk, chunk_size in sizes.items():
-        size = tf.where(_bytes_at(prefix, 12, chunk), chunk_size, size)
-    return size
-
-
-def _webp_animated(prefix, head):
-    return tf.logical_and(_bytes_at(prefix, 12, b"VP8X"), head[20] // 2 % 2 == 1)  # The animation flag.
+def _still_size(fields, index):
+    """(height, width) of a PNG, a BMP or a WebP, as their first bytes give it (0 where they do not)."""
+    png = tf.where(fields["chunk"] == _as_int(b"IHDR"), tf.stack([fields["png_height"], fields["png_width"]]), 0)
+    core = fields["bmp_header"] == 12
+    bmp = tf.where(
+        core,
+        tf.stack([fields["bmp_core_height"], fields["bmp_core_width"]]),
+        tf.stack([fields["bmp_height"], fields["bmp_width"]]),
+    )
+    # 32-bit signed: a negative height means rows stored top-down; a negative width is no image.
+    bmp = tf.where(bmp >= 1 << 31, tf.stack([(1 << 32) - bmp[0], _int64(0)]), bmp)
+    bits, chunk = fields["vp8l_bits"], fields["chunk"]
+    webp = tf.where(chunk == _as_int(b"VP8 "), tf.stack([fields["vp8_height"], fields["vp8_width"]]) % (1 << 14), 0)
+    lossless = tf.stack([bits // (1 << 14) % (1 << 14), bits % (1 << 14)]) + 1
+    webp = tf.where(chunk == _as_int(b"VP8L"), lossless, webp)
+    webp = tf.where(chunk == _as_int(b"VP8X"), tf.stack([fields["vp8x_height"], fields["vp8x_width"]]) + 1, webp)
+    return tf.where(index == FORMATS.index("PNG"), png, tf.where(index == FORMATS.index("BMP"), bmp, webp))
 
 
 def gif_first_frame(encoded):
@@ -220,7 +223,7 @@ def gif_first_frame(encoded):
     return first, tf.where(found, tf.stack([height, width]), 0)
 
 
-def check_image(encoded, limits=None):
+def check_image(encoded, limits=None, *, messages=True):
     """Reads the size of an encoded image from its header and checks it against `limits` (an `ImageLimits`).
 
     Returns (the bytes to decode, int64 (height, width)): the bytes as they
@@ -230,84 +233,134 @@ def check_image(encoded, limits=None):
     bytes in hex), a header whose size cannot be read, an animated WebP
     (which TensorFlow decodes as RGBA frames only), and an image past a
     limit (the limit's name and value, and the image's size).
+
+    messages=False, in a graph: the failure's message is a fixed sentence,
+    and the checks take no control flow but the GIF's, which keeps an input
+    pipeline as fast as without them; the pipelines, which name each failed
+    file with the error of a second, eager, check, use it.
     """
     limits = as_image_limits(limits)
     encoded = tf.convert_to_tensor(encoded, tf.string)
-    prefix = _prefix(encoded)
-    head = tf.io.decode_raw(prefix, tf.uint8, fixed_length=_HEAD)
-    index = image_format(encoded)
-    length = tf.strings.length(encoded)
-    first_bytes = tf.strings.join([" starting with ", _hex(head[: tf.minimum(length, 8)]), " (hex)"])
-    known = _require(
-        index >= 0,
-        _message(
-            f"Expected an encoded {EXPECTED_FORMATS} image; received ", length, " bytes",
-            tf.where(length > 0, first_bytes, ""), ".",
-        ),
+    is_jpeg = tf.strings.substr(encoded, 0, 3) == IMAGE_MAGIC["JPEG"]
+    if tf.executing_eagerly():
+        check = check_jpeg if bool(is_jpeg) else check_other_formats
+        return check(encoded, limits, messages=messages)
+    return tf.cond(
+        is_jpeg,
+        lambda: check_jpeg(encoded, limits, messages=messages),
+        lambda: check_other_formats(encoded, limits, messages=messages),
     )
 
-    def jpeg():
-        return encoded, tf.cast(tf.image.extract_jpeg_shape(encoded)[:2], tf.int64)
 
-    def png():
-        return encoded, _png_size(prefix, head)
+def check_jpeg(encoded, limits=None, *, messages=True):
+    """`check_image` for bytes known to start as a JPEG: its size from its frame header, checked against
+    `limits`."""
+    limits = as_image_limits(limits)
+    size = tf.cast(tf.image.extract_jpeg_shape(encoded)[:2], tf.int64)
+    problems = _size_problems(size, limits)
 
-    def gif():
+    def message():
+        return _size_message(tf.argmax(tf.cast(problems, tf.int32)), "JPEG", size, limits)
+
+    return _unless(tf.reduce_any(problems), message, (encoded, size), messages)
+
+
+# What a check run with messages=False says when it fails (a pipeline then names the file and the reason).
+UNNAMED_REFUSAL = (
+    "Refused before decoding: an image past its ImageLimits, of an unknown format or with an unreadable header"
+)
+
+
+def _unless(failed, message, values, messages=True):
+    """`values`, or an InvalidArgumentError with `message()` (a string tensor) if `failed`.
+
+    Eagerly it raises at once.  In a graph the message is made, and the
+    Assert op run, only in the failing branch of a cond; with
+    `messages=False` the error is `UNNAMED_REFUSAL`, from a NaN check on the
+    path every image takes: no control flow, no stateful op, which in a
+    tf.data map cost a sixth of the time of a JPEG's decoding and crop.
+    """
+    if tf.executing_eagerly():
+        if bool(failed):
+            raise tf.errors.InvalidArgumentError(None, None, message().numpy().decode("ascii"))
+        return values
+    if not messages:
+        refused = tf.debugging.check_numerics(tf.where(failed, float("nan"), 0.0), UNNAMED_REFUSAL)
+        with tf.control_dependencies([refused]):
+            return tf.nest.map_structure(tf.identity, values)
+
+    def fail():
+        with tf.control_dependencies([tf.debugging.Assert(False, [message()], summarize=1)]):
+            return tf.nest.map_structure(tf.identity, values)
+
+    return tf.cond(failed, fail, lambda: tf.nest.map_structure(tf.identity, values))
+
+
+def _size_problems(size, limits):
+    """[unreadable, more than max_pixels, past max_aspect_ratio] of an int64 (height, width)."""
+    height, width = tf.unstack(tf.cast(size, tf.float64))
+    short = tf.minimum(height, width)
+    too_long = tf.maximum(height, width) > limits.max_aspect_ratio * short
+    return tf.stack([short < 1, height * width > limits.max_pixels, too_long])
+
+
+def _size_message(which, format_name, size, limits):
+    """The message of problem `which` of `_size_problems` (a scalar), for an image of `format_name`."""
+    where = "(ImageLimits: an argument of the input pipelines and of export_saved_model)"
+    openings = ["Could not read the size of the ", "The ", "The "]
+    endings = [
+        " from its header.",
+        f" pixels, more than max_pixels={limits.max_pixels} allows {where}.",
+        f" pixels: its longer side is more than max_aspect_ratio={limits.max_aspect_ratio:g} times the shorter "
+        f"{where}.",
+    ]
+    height, width = tf.unstack(size)
+    return _message(
+        tf.gather(openings, which), format_name, " image is ", width, " x ", height, " (width x height)",
+        tf.gather(endings, which),
+    )
+
+
+def check_other_formats(encoded, limits=None, *, messages=True):
+    """`check_image` for anything but a JPEG."""
+    limits = as_image_limits(limits)
+    fields, head = _header_fields(encoded)
+    index = _format_index(fields)
+
+    def read_gif():
         first, frame = gif_first_frame(encoded)
-        screen = tf.stack([_little(head, 8, 2), _little(head, 6, 2)])
+        screen = tf.stack([fields["gif_height"], fields["gif_width"]])
         # Decoded at the screen's size; the frame's own raster is allocated at its size.
         larger = tf.where(frame[0] * frame[1] > screen[0] * screen[1], frame, screen)
         return first, tf.where(tf.reduce_all(frame > 0), larger, 0)
 
-    def bmp():
-        return encoded, _bmp_size(head)
+    gif, webp = FORMATS.index("GIF"), FORMATS.index("WebP")
+    if tf.executing_eagerly():
+        data, size = read_gif() if int(index) == gif else (encoded, _still_size(fields, index))
+    else:
+        data, size = tf.cond(index == gif, read_gif, lambda: (encoded, _still_size(fields, index)))
+    size.set_shape([2])
+    animated = tf.logical_and(fields["chunk"] == _as_int(b"VP8X"), fields["vp8x_flags"] // 2 % 2 == 1)
+    problems = tf.concat([
+        [index == len(FORMATS), tf.logical_and(index == webp, animated)], _size_problems(size, limits)
+    ], 0)
 
-    def webp():
-        still = _require(
-            tf.logical_not(_webp_animated(prefix, head)),
-            tf.constant(
+    def message():
+        length = tf.strings.length(encoded)
+        first_bytes = tf.strings.join([" starting with ", _hex(head[: tf.minimum(length, 8)]), " (hex)"])
+        what = [
+            lambda: _message(
+                f"Expected an encoded {EXPECTED_FORMATS} image; received ", length, " bytes",
+                tf.where(length > 0, first_bytes, ""), ".",
+            ),
+            lambda: tf.constant(
                 "Animated WebP images are not supported (TensorFlow decodes them as RGBA frames only); "
                 "send a still image, such as the first frame."
             ),
-        )
-        with tf.control_dependencies([still]):
-            return tf.identity(encoded), _webp_size(prefix, head)
-
-    with tf.control_dependencies([known]):
-        data, size = tf.switch_case(tf.maximum(index, 0), [jpeg, png, gif, bmp, webp])
-    size.set_shape([2])
-    format_name = FORMATS[int(index)] if tf.executing_eagerly() else tf.gather(FORMATS, tf.maximum(index, 0))
-    checks = _check_size(size, limits, format_name)
-    with tf.control_dependencies(checks):
-        return tf.identity(data), tf.identity(size)
-
-
-def _check_size(size, limits, format_name):
-    """The assertions that `size` (height, width) was read and is within `limits`."""
-    height, width = tf.unstack(size)
-    shown = _message(width, " x ", height, " (width x height)")
-    where = "(ImageLimits: an argument of the input pipelines and of export_saved_model)"
-    height_, width_ = tf.cast(height, tf.float64), tf.cast(width, tf.float64)
-    pixels = height_ * width_
-    ratio = tf.maximum(height_, width_) / tf.maximum(tf.minimum(height_, width_), 1.0)
-    readable = _require(
-        tf.logical_and(height > 0, width > 0),
-        _message("Could not read the size of the ", format_name, " image from its header: read ", shown, "."),
-    )
-    with tf.control_dependencies([readable]):
-        return [
-            _require(
-                pixels <= limits.max_pixels,
-                _message(
-                    "The ", format_name, " image is ", shown, f" pixels, more than max_pixels={limits.max_pixels} "
-                    f"allows {where}.",
-                ),
-            ),
-            _require(
-                ratio <= limits.max_aspect_ratio,
-                _message(
-                    "The ", format_name, " image is ", shown, " pixels: its longer side is more than "
-                    f"max_aspect_ratio={limits.max_aspect_ratio:g} times the shorter {where}.",
-                ),
-            ),
         ]
+        which = tf.argmax(tf.cast(problems, tf.int32), output_type=tf.int32)
+        format_name = tf.gather(FORMATS + ("unknown",), index)
+        what += [lambda k=k: _size_message(k, format_name, size, limits) for k in range(3)]
+        return tf.switch_case(which, what)
+
+    return _unless(tf.reduce_any(problems), message, (data, size), messages)

@@ -123,9 +123,9 @@ def training_pipeline(
         encoded, image_seed = inputs
         encoded = tf.where(is_end, tf.constant(ONE_PIXEL_PNG), encoded)
         if crop:
-            image = decode_and_crop(encoded, image_seed, crop_area_range, source.image_limits)
+            image = decode_and_crop(encoded, image_seed, crop_area_range, source.image_limits, messages=False)
         else:
-            image = decode_image(encoded, source.image_limits)
+            image = decode_image(encoded, source.image_limits, messages=False)
         image = resize_flip(image, image_seed, (height, width), flip=flip)
         return augment(image, randaugment_seed(image_seed)) if augment else image
 
