@@ -22,6 +22,7 @@ from keras_vit.checkpoints import (
     resample_position_embeddings,
     save_npz,
     save_timm,
+    save_transformers,
     set_image_size,
 )
 from keras_vit.flops import count_flops
@@ -75,5 +76,6 @@ __all__ = [
     "resample_position_embeddings",
     "save_npz",
     "save_timm",
+    "save_transformers",
     "set_image_size",
 ]

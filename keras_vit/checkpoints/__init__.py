@@ -1,5 +1,5 @@
-"""Pretrained ViT checkpoints: the original Google ones (.npz) and timm's (.safetensors), read, converted,
-resampled and written; and the model surgery of transfer learning.
+"""Pretrained ViT checkpoints: the original Google ones (.npz), timm's and transformers' (.safetensors), read,
+converted, resampled and written; and the model surgery of transfer learning.
 
 Each module imports only the ones listed before it:
 
@@ -9,11 +9,13 @@ Each module imports only the ones listed before it:
 - `google`: the original checkpoints' key layouts (vit_jax, big_vision, scan, hybrids) to and from a model's
   weights;
 - `timm`: timm's state dict names and layouts to and from the original ones;
-- `model_io`: `load_pretrained`, `save_npz`, `save_timm`: files in, model out and back;
+- `transformers`: transformers' ViT state dict names to and from timm's;
+- `model_io`: `load_pretrained`, `save_npz`, `save_timm`, `save_transformers`: files in, model out and back;
 - `surgery`: `set_image_size`, `replace_head`, `freeze_backbone`.
 
 The conversion is pure functions on dicts of NumPy arrays (`canonicalize`, `convert_checkpoint`,
-`to_checkpoint`, `from_timm`, `to_timm`); only `model_io` and `surgery` touch a model.
+`to_checkpoint`, `from_timm`, `to_timm`, `from_transformers`, `to_transformers`); only `model_io` and `surgery`
+touch a model.
 """
 
 from keras_vit.checkpoints.base import INTERPOLATIONS, CheckpointError
@@ -32,10 +34,12 @@ from keras_vit.checkpoints.model_io import (
     model_checkpoint,
     save_npz,
     save_timm,
+    save_transformers,
 )
 from keras_vit.checkpoints.resample import resample_position_embeddings
 from keras_vit.checkpoints.surgery import freeze_backbone, replace_head, set_image_size
 from keras_vit.checkpoints.timm import from_timm, timm_key, to_timm
+from keras_vit.checkpoints.transformers import from_transformers, to_transformers, transformers_key
 
 __all__ = [
     "checkpoint_bytes_limit",
@@ -55,10 +59,14 @@ __all__ = [
     "resample_position_embeddings",
     "save_npz",
     "save_timm",
+    "save_transformers",
     "set_image_size",
     "timm_key",
     "to_checkpoint",
     "to_timm",
+    "to_transformers",
+    "transformers_key",
+    "from_transformers",
     "write_npz",
     "write_safetensors",
 ]

@@ -1,20 +1,23 @@
 """A model from `build_vit` read from and written to checkpoint files: `load_pretrained`, `save_npz`,
-`save_timm`.
+`save_timm`, `save_transformers`.
 
-The top of `keras_vit.checkpoints`: it reads a file (`formats`), converts its layout (`timm`, then `google`,
-which resamples the position embeddings) and only then touches the model, so a load either completes or
-changes nothing.
+The top of `keras_vit.checkpoints`: it reads a file (`formats`), converts its layout (`transformers`, then
+`timm`, then `google`, which resamples the position embeddings) and only then touches the model, so a load
+either completes or changes nothing.
 """
 
+import json
 import logging
+import os
 
 import keras
 import numpy as np
 
-from keras_vit.checkpoints import timm
+from keras_vit.checkpoints import timm, transformers
 from keras_vit.checkpoints.base import check_interpolation
 from keras_vit.checkpoints.formats import read_checkpoint, write_npz, write_safetensors
 from keras_vit.checkpoints.google import canonicalize, convert_checkpoint, to_checkpoint
+from keras_vit.files import write_text_atomically
 from keras_vit.layers import PatchEncoder, TransformerBlock
 
 log = logging.getLogger("keras_vit")
@@ -47,8 +50,8 @@ def checkpoint_bytes_limit(model):
 
 def load_pretrained(model, path, *, interpolation=None, skip_mismatched_head=True):
     """Loads a ViT checkpoint into a model from `build_vit`: an original one (.npz,
-    local or gs://) or timm's (`model.safetensors` from the Hugging Face hub, or
-    its state dict in an .npz).
+    local or gs://), timm's or transformers' (a `model.safetensors` from the
+    Hugging Face hub, or its state dict in an .npz).
 
     All of the checkpoint is read, converted and checked against the model
     before any weight is assigned: every array floating-point and finite,
@@ -63,7 +66,7 @@ def load_pretrained(model, path, *, interpolation=None, skip_mismatched_head=Tru
         interpolation: how position embeddings are resampled when the patch
             grid differs, see `resample_position_embeddings`; by default as
             the file's own code does: "bicubic_antialias" (timm's) for timm
-            files, "bicubic" for others.
+            files, "bicubic" for others (transformers' too).
         skip_mismatched_head: a head of another shape (another number of
             classes) is left as initialised (zeros) instead of raising.
 
@@ -75,7 +78,12 @@ def load_pretrained(model, path, *, interpolation=None, skip_mismatched_head=Tru
         check_interpolation(interpolation)
     grid_size = _encoder(model).grid_size
     params = read_checkpoint(path, max_bytes=checkpoint_bytes_limit(model))
-    if timm.MARKER in params:
+    if transformers.is_transformers(params):
+        params, notes = transformers.from_transformers(params)
+        params, timm_notes = timm.from_timm(params, _num_heads(model), grid_size)
+        notes += timm_notes
+        key_name, interpolation = transformers.transformers_key, interpolation or "bicubic"
+    elif timm.MARKER in params:
         params, notes = timm.from_timm(params, _num_heads(model), grid_size)
         key_name, interpolation = timm.timm_key, interpolation or "bicubic_antialias"
     else:
@@ -122,3 +130,68 @@ def save_timm(model, path):
         write_npz(state_dict, path)
     else:
         write_safetensors(state_dict, path)
+
+
+def save_transformers(model, folder, *, class_names=None):
+    """Writes a model from `build_vit` as transformers' `ViTForImageClassification`: `folder/model.safetensors`
+    and `folder/config.json`, what `ViTForImageClassification.from_pretrained(folder)` reads.
+
+    The config says the architecture (widths, depth, heads, image and patch
+    size, the GELU, LayerNorm's epsilon) and, with `class_names`, the labels
+    (`id2label`, `label2id`).  transformers' ViT has a class token, learned
+    position embeddings, a linear classifier on the class token and no
+    extra LayerNorm: a model built otherwise is refused with the option to
+    change.  `load_pretrained` reads the file back exactly.
+    """
+    encoder = _encoder(model)
+    blocks = [layer for layer in model.layers if isinstance(layer, TransformerBlock)]
+    options = {
+        "classifier='token'": encoder.use_class_token and "head/kernel" in model_checkpoint(model),
+        "position_embedding='learned'": encoder.position_embedding_type == "learned",
+        "representation_size=None": not any(layer.name == "pre_logits" for layer in model.layers),
+        "pre_norm=False and pooled_norm=False": not any(
+            layer.name in ("pre_norm", "pooled_norm") for layer in model.layers
+        ),
+        "square patches": encoder.patch_size[0] == encoder.patch_size[1],
+    }
+    missing = [option for option, ok in options.items() if not ok]
+    if missing or not blocks:
+        raise ValueError(
+            f"transformers' ViTForImageClassification cannot hold this model: build it with {', '.join(missing)}"
+            + ("" if blocks else " and at least one block") + "."
+        )
+    params = model_checkpoint(model)
+    state_dict = transformers.to_transformers(timm.to_timm(params))
+    num_classes = params["head/kernel"].shape[1]
+    if class_names is not None and len(class_names) != num_classes:
+        raise ValueError(f"`class_names` has {len(class_names)} names, the model has {num_classes} classes.")
+    # transformers' own default names when none are given.
+    labels = [str(name) for name in class_names] if class_names else [f"LABEL_{i}" for i in range(num_classes)]
+    height, width = (g * p for g, p in zip(encoder.grid_size, encoder.patch_size))
+    config = {
+        "architectures": ["ViTForImageClassification"],
+        "model_type": "vit",
+        "hidden_size": int(params["embedding/kernel"].shape[-1]),
+        "num_hidden_layers": len(blocks),
+        "num_attention_heads": blocks[0].num_heads,
+        "intermediate_size": blocks[0].mlp_dim,
+        "hidden_act": {"exact": "gelu", "tanh": "gelu_pytorch_tanh"}[blocks[0].gelu],
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "initializer_range": 0.02,
+        "layer_norm_eps": 1e-6,
+        "image_size": height if height == width else [height, width],
+        "patch_size": encoder.patch_size[0],
+        "num_channels": int(params["embedding/kernel"].shape[2]),
+        "qkv_bias": True,
+        "encoder_stride": encoder.patch_size[0],
+        "id2label": {str(i): name for i, name in enumerate(labels)},
+        "label2id": {name: i for i, name in enumerate(labels)},
+    }
+    folder = os.fspath(folder)
+    import tensorflow as tf
+
+    tf.io.gfile.makedirs(folder)
+    write_safetensors(state_dict, tf.io.gfile.join(folder, "model.safetensors"))
+    write_text_atomically(tf.io.gfile.join(folder, "config.json"), json.dumps(config, indent=2) + "\n")
+    return folder

@@ -1,0 +1,167 @@
+"""transformers' ViT state dicts (`ViTForImageClassification`, `ViTModel`): read by `load_pretrained`,
+written by `save_transformers`, exactly, and checked against a NumPy forward pass of a file written by hand
+in transformers' names and layouts."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import keras_vit
+from keras_vit import checkpoints
+from tests.conftest import random_images, randomize_weights
+from tests.numpy_vit import vit_forward
+
+D, HEADS, MLP, LAYERS, PATCH, SIDE, CLASSES = 12, 3, 20, 2, 8, 24, 5
+
+
+def small_vit(**kwargs):
+    options = dict(image_size=SIDE, num_classes=CLASSES, patch_size=PATCH, hidden_dim=D, num_heads=HEADS,
+                   mlp_dim=MLP, num_layers=LAYERS)
+    return keras_vit.build_vit("testing", **{**options, **kwargs})
+
+
+def transformers_keys(layers, prefix="vit."):
+    """The keys of a ViTForImageClassification state dict, as transformers names them."""
+    keys = [f"{prefix}embeddings.{name}" for name in (
+        "cls_token", "position_embeddings", "patch_embeddings.projection.weight", "patch_embeddings.projection.bias"
+    )]
+    for i in range(layers):
+        for module in ("attention.attention.query", "attention.attention.key", "attention.attention.value",
+                       "attention.output.dense", "intermediate.dense", "output.dense", "layernorm_before",
+                       "layernorm_after"):
+            keys += [f"{prefix}encoder.layer.{i}.{module}.weight", f"{prefix}encoder.layer.{i}.{module}.bias"]
+    return keys + [f"{prefix}layernorm.weight", f"{prefix}layernorm.bias", "classifier.weight", "classifier.bias"]
+
+
+def hand_written_state_dict(seed=0):
+    """Random arrays in transformers' layouts: Linear weights (out, in), the patch convolution (D, C, P, P)."""
+    rng = np.random.default_rng(seed)
+    tokens = (SIDE // PATCH) ** 2 + 1
+    shapes = {"vit.embeddings.cls_token": (1, 1, D), "vit.embeddings.position_embeddings": (1, tokens, D),
+              "vit.embeddings.patch_embeddings.projection.weight": (D, 3, PATCH, PATCH),
+              "vit.embeddings.patch_embeddings.projection.bias": (D,),
+              "vit.layernorm.weight": (D,), "vit.layernorm.bias": (D,),
+              "classifier.weight": (CLASSES, D), "classifier.bias": (CLASSES,)}
+    for i in range(LAYERS):
+        layer = f"vit.encoder.layer.{i}."
+        for name in ("query", "key", "value"):
+            shapes[layer + f"attention.attention.{name}.weight"] = (D, D)
+            shapes[layer + f"attention.attention.{name}.bias"] = (D,)
+        shapes.update({layer + "attention.output.dense.weight": (D, D), layer + "attention.output.dense.bias": (D,),
+                       layer + "intermediate.dense.weight": (MLP, D), layer + "intermediate.dense.bias": (MLP,),
+                       layer + "output.dense.weight": (D, MLP), layer + "output.dense.bias": (D,)})
+        for norm in ("layernorm_before", "layernorm_after"):
+            shapes[layer + f"{norm}.weight"], shapes[layer + f"{norm}.bias"] = (D,), (D,)
+    state = {key: rng.normal(0, 0.3, shape).astype(np.float32) for key, shape in shapes.items()}
+    for key in state:
+        if "layernorm" in key and key.endswith("weight"):
+            state[key] += 1.0
+    return state
+
+
+def numpy_params(state):
+    """The hand-written state dict in the NumPy reference's names, from transformers' definitions:
+    a Linear computes x @ weight.T + bias; heads are consecutive slices of the hidden size."""
+    head_dim = D // HEADS
+    p = {
+        "cls": state["vit.embeddings.cls_token"],
+        "pos_embedding": state["vit.embeddings.position_embeddings"],
+        "embedding/kernel": state["vit.embeddings.patch_embeddings.projection.weight"].transpose(2, 3, 1, 0),
+        "embedding/bias": state["vit.embeddings.patch_embeddings.projection.bias"],
+        "encoder_norm/scale": state["vit.layernorm.weight"], "encoder_norm/bias": state["vit.layernorm.bias"],
+        "head/kernel": state["classifier.weight"].T, "head/bias": state["classifier.bias"],
+    }
+    for i in range(LAYERS):
+        layer, block = f"vit.encoder.layer.{i}.", f"encoderblock_{i}/"
+        for name in ("query", "key", "value"):
+            weight = state[layer + f"attention.attention.{name}.weight"]
+            p[block + f"{name}/kernel"] = weight.T.reshape(D, HEADS, head_dim)
+            p[block + f"{name}/bias"] = state[layer + f"attention.attention.{name}.bias"].reshape(HEADS, head_dim)
+        p[block + "out/kernel"] = state[layer + "attention.output.dense.weight"].T.reshape(HEADS, head_dim, D)
+        p[block + "out/bias"] = state[layer + "attention.output.dense.bias"]
+        for ours, theirs in (("Dense_0", "intermediate.dense"), ("Dense_1", "output.dense")):
+            p[block + f"{ours}/kernel"] = state[layer + f"{theirs}.weight"].T
+            p[block + f"{ours}/bias"] = state[layer + f"{theirs}.bias"]
+        for ours, theirs in (("LayerNorm_0", "layernorm_before"), ("LayerNorm_2", "layernorm_after")):
+            p[block + f"{ours}/scale"] = state[layer + f"{theirs}.weight"]
+            p[block + f"{ours}/bias"] = state[layer + f"{theirs}.bias"]
+    return {key: np.asarray(value, np.float64) for key, value in p.items()}
+
+
+def test_a_file_in_transformers_names_gives_the_numpy_forward_pass(tmp_path):
+    state = hand_written_state_dict()
+    assert sorted(state) == sorted(transformers_keys(LAYERS))
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = small_vit()
+    assert keras_vit.load_pretrained(model, str(tmp_path / "model.safetensors")) == []
+    images = random_images((3, SIDE, SIDE, 3), seed=1)
+    expected = vit_forward(numpy_params(state), LAYERS, images)
+    np.testing.assert_allclose(model.predict(images, verbose=0), expected, atol=1e-4)
+    assert np.ptp(expected, axis=0).max() > 0.1  # the images are told apart: the check can fail
+
+
+def test_save_transformers_writes_their_names_config_and_labels_and_reads_back_exactly(tmp_path):
+    model = randomize_weights(small_vit(), scale=0.2)
+    folder = keras_vit.save_transformers(model, tmp_path / "vit", class_names=list("abcde"))
+    state = checkpoints.read_checkpoint(f"{folder}/model.safetensors")
+    assert sorted(state) == sorted(transformers_keys(LAYERS))
+    assert state["vit.encoder.layer.1.intermediate.dense.weight"].shape == (MLP, D)
+    assert state["vit.embeddings.patch_embeddings.projection.weight"].shape == (D, 3, PATCH, PATCH)
+    config = json.loads((tmp_path / "vit" / "config.json").read_text())
+    assert config["architectures"] == ["ViTForImageClassification"] and config["model_type"] == "vit"
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]) == (D, LAYERS, HEADS)
+    assert (config["intermediate_size"], config["image_size"], config["patch_size"]) == (MLP, SIDE, PATCH)
+    assert config["hidden_act"] == "gelu" and config["qkv_bias"] is True
+    assert config["id2label"] == {str(i): name for i, name in enumerate("abcde")}
+    assert config["label2id"]["c"] == 2
+    again = small_vit()
+    assert keras_vit.load_pretrained(again, f"{folder}/model.safetensors") == []
+    for a, b in zip(model.weights, again.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+    # The layouts: transformers' -> timm's -> transformers' is the identity.
+    timm_state, _ = checkpoints.from_transformers(state)
+    back = checkpoints.to_transformers(timm_state)
+    assert sorted(back) == sorted(state) and all(np.array_equal(back[k], state[k]) for k in state)
+
+
+def test_a_vitmodel_file_loads_its_pooler_as_the_pre_logits(tmp_path):
+    """ViTModel (no `vit.` prefix, a pooler, no classifier): the pooler is the original representation layer."""
+    state = {key.removeprefix("vit."): value for key, value in hand_written_state_dict().items()
+             if not key.startswith("classifier.")}
+    rng = np.random.default_rng(3)
+    state["pooler.dense.weight"], state["pooler.dense.bias"] = rng.normal(0, 0.3, (D, D)), rng.normal(0, 0.3, D)
+    state["embeddings.mask_token"] = np.zeros((1, 1, D))
+    timm_state, notes = checkpoints.from_transformers(state)
+    assert "pre_logits.fc.weight" in timm_state and any("mask_token" in note for note in notes)
+    save_file({k: np.asarray(v, np.float32) for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    model = small_vit(num_classes=0, representation_size=D)
+    keras_vit.load_pretrained(model, str(tmp_path / "model.safetensors"))
+    np.testing.assert_allclose(model.get_layer("pre_logits").kernel.numpy(), state["pooler.dense.weight"].T, atol=1e-7)
+
+
+def test_what_transformers_cannot_hold_is_refused_by_name(tmp_path):
+    state = hand_written_state_dict()
+    state["vit.encoder.layer.0.attention.attention.q_norm.weight"] = np.ones(D, np.float32)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model = small_vit()
+    before = [w.numpy() for w in model.weights]
+    with pytest.raises(checkpoints.CheckpointError, match=r"no place for.*q_norm"):
+        keras_vit.load_pretrained(model, str(tmp_path / "model.safetensors"))
+    assert all(np.array_equal(a, b.numpy()) for a, b in zip(before, model.weights))
+    # A missing key is named as transformers names it.
+    state = hand_written_state_dict()
+    del state["vit.encoder.layer.1.output.dense.bias"]
+    save_file(state, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(checkpoints.CheckpointError, match=re.escape("vit.encoder.layer.1.output.dense.bias")):
+        keras_vit.load_pretrained(model, str(tmp_path / "missing.safetensors"))
+    for options, named in (({"classifier": "gap"}, "classifier='token'"),
+                           ({"position_embedding": "sincos2d"}, "position_embedding='learned'"),
+                           ({"representation_size": 8}, "representation_size=None"),
+                           ({"pre_norm": True}, "pre_norm=False")):
+        with pytest.raises(ValueError, match=re.escape(named)):
+            keras_vit.save_transformers(small_vit(**options), tmp_path / "refused")
+    with pytest.raises(ValueError, match="`class_names` has 2 names, the model has 5 classes"):
+        keras_vit.save_transformers(small_vit(), tmp_path / "refused", class_names=["a", "b"])
