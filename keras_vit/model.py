@@ -4,7 +4,7 @@ Layer names are stable; the checkpoint converters map onto them:
 
 | layer | weights | original checkpoint |
 |---|---|---|
-| `rescaling` (if `include_rescaling`) | none | pixels / 127.5 - 1 |
+| `rescaling` (if `include_rescaling`) | none | pixels / 127.5 - 1, or (pixels / 255 - mean) / std |
 | `resnet` (hybrids only) | see `keras_vit.resnet` | `conv_root`, `gn_root`, `block{s}/unit{u}/*` |
 | `patch_encoder` | `kernel`, `bias`, `class_token`, `position_embedding` (learned) | `embedding/*`, `cls`, posembed |
 | `embedding_dropout` | none | dropout after the position embeddings |
@@ -26,6 +26,7 @@ axis is heads x head_dim), `mlp_norm` (LayerNorm_2), `mlp_dense_1` and
 """
 
 import keras
+import numpy as np
 
 from keras_vit import layers as vit_layers
 from keras_vit.layers.common import check_rate
@@ -62,6 +63,8 @@ def build_vit(
     attention_dropout_rate=0.0,
     stochastic_depth_rate=0.0,
     include_rescaling=True,
+    pixel_mean=None,
+    pixel_std=None,
     num_channels=3,
     head_kernel_initializer="zeros",
     patch_projection="conv",
@@ -92,6 +95,12 @@ def build_vit(
         include_rescaling: map input pixels from [0, 255] to [-1, 1]
             (x / 127.5 - 1) inside the model, as the original checkpoints
             expect; the model then takes raw pixels, uint8 or float.
+        pixel_mean, pixel_std: with `include_rescaling`, the per-channel
+            mean and standard deviation of pixels scaled to [0, 1] that the
+            weights were trained with: the model computes
+            (x / 255 - mean) / std (DeiT's and timm's ImageNet statistics,
+            (0.485, 0.456, 0.406) and (0.229, 0.224, 0.225); CLIP's).  Both
+            None: 0.5 and 0.5, the [-1, 1] of the original weights.
         num_channels: channels of the input images.
         head_kernel_initializer: initializer of the head's kernel; zeros as in
             the original implementation (what fine-tuning wants).
@@ -159,7 +168,11 @@ def build_vit(
     images = keras.Input((height, width, num_channels), name="images")
     x = images
     if include_rescaling:
-        x = keras.layers.Rescaling(1.0 / 127.5, offset=-1.0, name="rescaling")(x)
+        x = _rescaling(pixel_mean, pixel_std, num_channels)(x)
+    elif pixel_mean is not None or pixel_std is not None:
+        raise ValueError(
+            "`pixel_mean` and `pixel_std` need include_rescaling=True. Received: include_rescaling=False"
+        )
     if config.resnet_layers is not None:
         x = ResNetStem(config.resnet_layers, name="resnet")(x)
     x = vit_layers.PatchEncoder(
@@ -203,3 +216,26 @@ def build_vit(
             name="head",
         )(x)
     return keras.Model(images, x, name=name or _default_name(variant))
+
+
+def _rescaling(pixel_mean, pixel_std, num_channels):
+    """The layer mapping raw pixels to what the weights expect: [-1, 1], or (x / 255 - mean) / std."""
+    if pixel_mean is None and pixel_std is None:
+        return keras.layers.Rescaling(1.0 / 127.5, offset=-1.0, name="rescaling")
+    if pixel_mean is None or pixel_std is None:
+        raise ValueError(
+            "`pixel_mean` and `pixel_std` go together. Received: "
+            f"pixel_mean={pixel_mean!r}, pixel_std={pixel_std!r}"
+        )
+    try:
+        mean, std = (np.broadcast_to(np.asarray(v, np.float64), (num_channels,)) for v in (pixel_mean, pixel_std))
+    except (TypeError, ValueError):
+        mean = std = np.full(num_channels, np.nan)
+    if not (np.all(np.isfinite(mean)) and np.all(std > 0) and np.all(np.isfinite(std))):
+        raise ValueError(
+            "`pixel_mean` must be finite and `pixel_std` positive, one value or one per channel. Received: "
+            f"pixel_mean={pixel_mean!r}, pixel_std={pixel_std!r}"
+        )
+    return keras.layers.Rescaling(
+        [float(v) for v in 1.0 / (255.0 * std)], offset=[float(v) for v in -mean / std], name="rescaling"
+    )

@@ -76,6 +76,34 @@ def test_without_rescaling_the_model_takes_normalised_inputs():
     np.testing.assert_allclose(model(images / 127.5 - 1.0), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_pixel_mean_and_std_normalise_as_the_weights_expect(tmp_path):
+    """DeiT's ImageNet statistics: the model on raw pixels equals the NumPy forward pass on
+    (x / 255 - mean) / std, and the statistics survive saving."""
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    model = randomize_weights(small_vit(pixel_mean=mean, pixel_std=std))
+    images = random_images((2, 8, 12, 3))
+    normalised = (images / 255.0 - np.array(mean)) / np.array(std)
+    params, num_layers = numpy_vit.params_from_model(model)
+    expected = numpy_vit.vit_forward(params, num_layers, normalised, rescale=False)
+    np.testing.assert_allclose(model.predict(images, verbose=0), expected, atol=1e-5, rtol=1e-5)
+    model.save(tmp_path / "deit.keras")
+    reloaded = keras.saving.load_model(tmp_path / "deit.keras")
+    np.testing.assert_array_equal(reloaded.predict(images, verbose=0), model.predict(images, verbose=0))
+    # 0.5 and 0.5 are the [-1, 1] of the original weights.
+    half = randomize_weights(small_vit(pixel_mean=0.5, pixel_std=0.5))
+    np.testing.assert_allclose(
+        half.predict(images, verbose=0), randomize_weights(small_vit()).predict(images, verbose=0), atol=1e-5
+    )
+    for kwargs, message in (
+        (dict(pixel_mean=mean), "go together"),
+        (dict(pixel_mean=mean, pixel_std=(0.2, 0.0, 0.2)), "positive"),
+        (dict(pixel_mean=(0.5, 0.5), pixel_std=std), "one per channel"),
+        (dict(pixel_mean=mean, pixel_std=std, include_rescaling=False), "need include_rescaling=True"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            small_vit(**kwargs)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
