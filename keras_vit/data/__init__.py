@@ -58,7 +58,6 @@ from keras_vit.data.augment import (
     resize_flip,
 )
 from keras_vit.data.decode import (
-    IMAGE_MAGIC,
     NAMED_IN_A_ROW,
     ONE_PIXEL_PNG,
     DecodeFailures,
@@ -74,6 +73,7 @@ from keras_vit.data.decode import (
 from keras_vit.data.header import (
     EXPECTED_FORMATS,
     FORMATS,
+    IMAGE_MAGIC,
     MAX_GIF_STEPS,
     UNNAMED_REFUSAL,
     ImageLimits,

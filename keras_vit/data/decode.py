@@ -11,7 +11,7 @@ import threading
 import tensorflow as tf
 from absl import logging
 
-from keras_vit.data.header import IMAGE_MAGIC, check_image  # noqa: F401 (IMAGE_MAGIC: imported from here too)
+from keras_vit.data.header import check_image
 
 
 def decode_image(encoded, limits=None, *, messages=True):

@@ -307,17 +307,19 @@ def _size_problems(size, limits):
 def _size_message(which, format_name, size, limits):
     """The message of problem `which` of `_size_problems` (a scalar), for an image of `format_name`."""
     where = "(ImageLimits: an argument of the input pipelines and of export_saved_model)"
+    # Each problem's words before the format's name, between it and the size, and after the size.
     openings = ["Could not read the size of the ", "The ", "The "]
+    middles = [" image from its header: read ", " image is ", " image is "]
     endings = [
-        " from its header.",
+        ".",
         f" pixels, more than max_pixels={limits.max_pixels} allows {where}.",
         f" pixels: its longer side is more than max_aspect_ratio={limits.max_aspect_ratio:g} times the shorter "
         f"{where}.",
     ]
     height, width = tf.unstack(size)
     return _message(
-        tf.gather(openings, which), format_name, " image is ", width, " x ", height, " (width x height)",
-        tf.gather(endings, which),
+        tf.gather(openings, which), format_name, tf.gather(middles, which), width, " x ", height,
+        " (width x height)", tf.gather(endings, which),
     )
 
 

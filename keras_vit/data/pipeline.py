@@ -90,8 +90,8 @@ def training_pipeline(
     there), resized, flipped, optionally RandAugment-ed (`randaugment`: None,
     (num_ops, magnitude) for the published policy, or a function of (image,
     seed)); images that fail to read or decode, or are past
-    `source.image_limits`, skipped and named in `source.skipped`; batched per replica (`global_batch_size / replicas`),
-    labels one-hot; endless: `fit` is given `steps_per_epoch`, the same on
+    `source.image_limits`, skipped and named in `source.skipped`; batched
+    per replica (`global_batch_size / replicas`), labels one-hot; endless: `fit` is given `steps_per_epoch`, the same on
     every host.  Every random choice is stateless, from one seed per image
     drawn from `seed` (and the pipeline's index): the same seed gives the
     same batches, each epoch new ones.
