@@ -140,9 +140,14 @@ def read_checkpoint(path, max_bytes=None):
     is read or decompressed."""
     import tensorflow as tf
 
-    if tf.io.gfile.isdir(path):
+    # One stat for a file (a round trip on gs://); a folder of an object store, a prefix, has none.
+    try:
+        stats = tf.io.gfile.stat(path)
+    except tf.errors.NotFoundError:
+        stats = None
+    if (stats.is_directory if stats is not None else tf.io.gfile.isdir(path)):
         raise CheckpointError(f"{path!r} is a directory; expected a checkpoint file (.npz or .safetensors).")
-    size = tf.io.gfile.stat(path).length if tf.io.gfile.exists(path) else None  # None: read_bytes names it.
+    size = stats.length if stats is not None else None  # None: read_bytes names the missing file.
     if size == 0:
         raise CheckpointError(f"{path!r} is empty (0 bytes); expected a checkpoint file (.npz or .safetensors).")
     if max_bytes is not None and size is not None and size > max_bytes:

@@ -145,8 +145,10 @@ def save_transformers(model, folder, *, class_names=None):
     """
     encoder = _encoder(model)
     blocks = [layer for layer in model.layers if isinstance(layer, TransformerBlock)]
+    params = model_checkpoint(model)
     options = {
-        "classifier='token'": encoder.use_class_token and "head/kernel" in model_checkpoint(model),
+        "classifier='token'": encoder.use_class_token,
+        "num_classes (a head)": "head/kernel" in params,
         "position_embedding='learned'": encoder.position_embedding_type == "learned",
         "representation_size=None": not any(layer.name == "pre_logits" for layer in model.layers),
         "pre_norm=False and pooled_norm=False": not any(
@@ -160,7 +162,6 @@ def save_transformers(model, folder, *, class_names=None):
             f"transformers' ViTForImageClassification cannot hold this model: build it with {', '.join(missing)}"
             + ("" if blocks else " and at least one block") + "."
         )
-    params = model_checkpoint(model)
     state_dict = transformers.to_transformers(timm.to_timm(params))
     num_classes = params["head/kernel"].shape[1]
     if class_names is not None and len(class_names) != num_classes:

@@ -123,6 +123,19 @@ def from_transformers(state_dict):
     return converted, notes
 
 
+def _split_qkv(timm_state_dict):
+    """timm's state dict with each fused `blocks.{i}.attn.qkv.*` as `attn.q.*`, `attn.k.*` and `attn.v.*`."""
+    split = {}
+    for key, value in timm_state_dict.items():
+        match = re.match(r"^(blocks\.\d+\.attn)\.qkv\.(weight|bias)$", key)
+        if match:
+            for part, name in zip(np.split(np.asarray(value), 3, axis=0), "qkv"):
+                split[f"{match[1]}.{name}.{match[2]}"] = part
+        else:
+            split[key] = value
+    return split
+
+
 def to_transformers(timm_state_dict, *, prefix=BACKBONE):
     """The inverse of `from_transformers`: timm's names (`keras_vit.checkpoints.timm.to_timm`) ->
     `ViTForImageClassification`'s (`prefix=""`: `ViTModel`'s, whose head is not written).
@@ -132,12 +145,7 @@ def to_transformers(timm_state_dict, *, prefix=BACKBONE):
     (timm's `norm_pre`, `fc_norm`, a MAP head).
     """
     state_dict, unknown = {}, []
-    for key, value in timm_state_dict.items():
-        match = re.match(r"^blocks\.(\d+)\.attn\.qkv\.(weight|bias)$", key)
-        if match:
-            for part, name in zip(np.split(np.asarray(value), 3, axis=0), "qkv"):
-                state_dict.update(to_transformers({f"blocks.{match[1]}.attn.{name}.{match[2]}": part}, prefix=prefix))
-            continue
+    for key, value in _split_qkv(timm_state_dict).items():
         name = _rename(key, _FROM_TIMM)
         if name is None:
             unknown.append(key)
