@@ -37,6 +37,8 @@ from keras_vit.layers import (
 from keras_vit.mixing import BatchMixer, enable_batch_mixing
 from keras_vit.model import build_vit
 from keras_vit.parallel import check_model_parallel, get_layout_map, make_distribution
+from keras_vit.preprocessing import Preprocessing
+from keras_vit.pretrained import PretrainedError, from_pretrained
 from keras_vit.resnet import BottleneckUnit, ResNetStem, StandardizedConv2D
 from keras_vit.training import SGD, AdamW, WarmupLinearDecay, learning_rate_schedule, make_optimizer
 from keras_vit.variants import HYBRIDS, MODEL_SIZES, VARIANTS, ViTConfig, parse_variant
@@ -52,6 +54,8 @@ __all__ = [
     "MODEL_SIZES",
     "MultiHeadSelfAttention",
     "PatchEncoder",
+    "Preprocessing",
+    "PretrainedError",
     "Patches",
     "ResNetStem",
     "SGD",
@@ -66,6 +70,7 @@ __all__ = [
     "count_flops",
     "enable_batch_mixing",
     "freeze_backbone",
+    "from_pretrained",
     "get_layout_map",
     "learning_rate_schedule",
     "load_pretrained",

@@ -56,6 +56,7 @@ def build_vit(
     variant,
     *,
     image_size=224,
+    dynamic_image_size=False,
     num_classes=1000,
     classifier="token",
     representation_size=None,
@@ -72,6 +73,7 @@ def build_vit(
     position_embedding="learned",
     pre_norm=False,
     pooled_norm=False,
+    layer_norm_epsilon=1e-6,
     name=None,
     **overrides,
 ):
@@ -81,6 +83,12 @@ def build_vit(
         variant: paper notation, e.g. "Ti/16", "S/16", "B/16", "L/32", "H/14",
             or "testing" (a tiny model for tests); see `keras_vit.VARIANTS`.
         image_size: int or (height, width), each divisible by the patch size.
+        dynamic_image_size: the model takes images of any height and width
+            that divide by the patch size (timm's `dynamic_img_size`): its
+            weights are those of `image_size`, and learned position
+            embeddings are resampled to each input's patch grid in the graph
+            (bicubic with antialias, as timm).  The input shape is then
+            (batch, None, None, channels).
         num_classes: width of the classification head; None or 0 returns the
             pooled (pre-logits) features instead: a backbone.
         classifier: "token" (the class token), "gap" (mean of the patch
@@ -116,6 +124,9 @@ def build_vit(
             `norm_pre`, CLIP's layout).
         pooled_norm: the final LayerNorm on the pooled features instead of on
             the tokens (timm's `fc_norm`, its default for GAP models).
+        layer_norm_epsilon: every LayerNorm's epsilon: 1e-6 as the original
+            implementation, big_vision and most of timm; timm's CLIP models
+            use 1e-5, transformers' `google/vit-*` configs 1e-12.
         name: model name, by default derived from the variant ("vit_b16").
         **overrides: `hidden_dim`, `num_layers`, `num_heads`, `mlp_dim`,
             `patch_size`; they win over the variant's table entry.
@@ -157,6 +168,13 @@ def build_vit(
     for flag_name, flag in (("pre_norm", pre_norm), ("pooled_norm", pooled_norm)):
         if not isinstance(flag, bool):
             raise ValueError(f"`{flag_name}` must be True or False. Received: {flag_name}={flag!r}")
+    if not isinstance(layer_norm_epsilon, (int, float)) or isinstance(layer_norm_epsilon, bool) or not (
+        0 < layer_norm_epsilon < 1
+    ):
+        raise ValueError(
+            f"`layer_norm_epsilon` must be a number in (0, 1). Received: layer_norm_epsilon={layer_norm_epsilon!r}"
+        )
+    epsilon = float(layer_norm_epsilon)
     for rate_name, rate in (
         ("dropout_rate", dropout_rate),
         ("attention_dropout_rate", attention_dropout_rate),
@@ -165,7 +183,12 @@ def build_vit(
         check_rate(rate_name, rate)
 
     # === Layers ===
-    images = keras.Input((height, width, num_channels), name="images")
+    if not isinstance(dynamic_image_size, bool):
+        raise ValueError(
+            f"`dynamic_image_size` must be True or False. Received: dynamic_image_size={dynamic_image_size!r}"
+        )
+    input_size = (None, None) if dynamic_image_size else (height, width)
+    images = keras.Input((*input_size, num_channels), name="images")
     x = images
     if include_rescaling:
         x = _rescaling(pixel_mean, pixel_std, num_channels)(x)
@@ -181,11 +204,12 @@ def build_vit(
         use_class_token=classifier == "token",
         projection=patch_projection,
         position_embedding=position_embedding,
+        base_image_size=(height // stride, width // stride) if dynamic_image_size else None,
         name="patch_encoder",
     )(x)
     x = vit_layers.Dropout(dropout_rate, name="embedding_dropout")(x)
     if pre_norm:
-        x = vit_layers.LayerNormalization(epsilon=1e-6, name="pre_norm")(x)
+        x = vit_layers.LayerNormalization(epsilon=epsilon, name="pre_norm")(x)
     for i in range(config.num_layers):
         depth_fraction = i / (config.num_layers - 1) if config.num_layers > 1 else 1.0
         x = vit_layers.TransformerBlock(
@@ -195,16 +219,19 @@ def build_vit(
             attention_dropout_rate=attention_dropout_rate,
             stochastic_depth_rate=stochastic_depth_rate * depth_fraction,
             gelu=gelu,
+            layer_norm_epsilon=epsilon,
             name=f"encoderblock_{i}",
         )(x)
     if not pooled_norm:
-        x = vit_layers.LayerNormalization(epsilon=1e-6, name="encoder_norm")(x)
+        x = vit_layers.LayerNormalization(epsilon=epsilon, name="encoder_norm")(x)
     if classifier == "map":
-        x = vit_layers.MAPHead(config.num_heads, config.mlp_dim, gelu=gelu, name="pooling")(x)
+        x = vit_layers.MAPHead(
+            config.num_heads, config.mlp_dim, gelu=gelu, layer_norm_epsilon=epsilon, name="pooling"
+        )(x)
     else:
         x = vit_layers.TokenPooling(classifier, name="pooling")(x)
     if pooled_norm:
-        x = vit_layers.LayerNormalization(epsilon=1e-6, name="pooled_norm")(x)
+        x = vit_layers.LayerNormalization(epsilon=epsilon, name="pooled_norm")(x)
     if representation_size:
         x = keras.layers.Dense(representation_size, activation="tanh", name="pre_logits")(x)
     if num_classes:

@@ -76,25 +76,41 @@ def load_pretrained(model, path, *, interpolation=None, skip_mismatched_head=Tru
     """
     if interpolation is not None:
         check_interpolation(interpolation)
-    grid_size = _encoder(model).grid_size
     params = read_checkpoint(path, max_bytes=checkpoint_bytes_limit(model))
+    return load_params(
+        model, params, interpolation=interpolation, skip_mismatched_head=skip_mismatched_head, label=path
+    )
+
+
+def to_original_layout(params, num_heads, grid_size=None):
+    """A checkpoint's arrays in any layout `load_pretrained` reads -> the original checkpoints' names.
+
+    Returns (params, notes, key_name, interpolation): `key_name` maps an
+    original key back to the file's own (for messages), `interpolation` is
+    how the file's own code resamples its position embeddings.
+    """
     if transformers.is_transformers(params):
         params, notes = transformers.from_transformers(params)
-        params, timm_notes = timm.from_timm(params, _num_heads(model), grid_size)
-        notes += timm_notes
-        key_name, interpolation = transformers.transformers_key, interpolation or "bicubic"
-    elif timm.MARKER in params:
-        params, notes = timm.from_timm(params, _num_heads(model), grid_size)
-        key_name, interpolation = timm.timm_key, interpolation or "bicubic_antialias"
-    else:
-        params, notes = canonicalize(params), []
-        key_name, interpolation = str, interpolation or "bicubic"
+        params, timm_notes = timm.from_timm(params, num_heads, grid_size)
+        return params, notes + timm_notes, transformers.transformers_key, "bicubic"
+    if timm.MARKER in params:
+        params, notes = timm.from_timm(params, num_heads, grid_size)
+        return params, notes, timm.timm_key, "bicubic_antialias"
+    return canonicalize(params), [], str, "bicubic"
+
+
+def load_params(model, params, *, interpolation=None, skip_mismatched_head=True, label="checkpoint"):
+    """`load_pretrained` of arrays already read (a dict in any layout it reads); `label` names them in notes."""
+    if interpolation is not None:
+        check_interpolation(interpolation)
+    grid_size = _encoder(model).grid_size
+    params, notes, key_name, default_interpolation = to_original_layout(params, _num_heads(model), grid_size)
     variables = _variables(model)
     weights, conversion_notes = convert_checkpoint(
         params,
         {p: tuple(v.shape) for p, v in variables.items()},
         grid_size,
-        interpolation=interpolation,
+        interpolation=interpolation or default_interpolation,
         skip_mismatched_head=skip_mismatched_head,
         key_name=key_name,
         num_heads=_num_heads(model),
@@ -103,7 +119,7 @@ def load_pretrained(model, path, *, interpolation=None, skip_mismatched_head=Tru
         variables[path_].assign(value.astype(variables[path_].dtype))
     notes += conversion_notes
     for note in notes:
-        log.warning("load_pretrained(%s): %s", path, note)
+        log.warning("load_pretrained(%s): %s", label, note)
     return notes
 
 
@@ -180,7 +196,7 @@ def save_transformers(model, folder, *, class_names=None):
         "hidden_dropout_prob": 0.0,
         "attention_probs_dropout_prob": 0.0,
         "initializer_range": 0.02,
-        "layer_norm_eps": 1e-6,
+        "layer_norm_eps": blocks[0].layer_norm_epsilon,
         "image_size": height if height == width else [height, width],
         "patch_size": encoder.patch_size[0],
         "num_channels": int(params["embedding/kernel"].shape[2]),

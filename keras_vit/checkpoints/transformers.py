@@ -19,8 +19,8 @@ timm's then takes them to the original checkpoints' names.  transformers' key (a
 - `classifier.*` (not under `vit.`) -> `head.*`.
 
 `embeddings.mask_token` (used only by masked image modelling) is dropped with a note.  transformers computes
-its LayerNorms with `config.layer_norm_eps` (1e-12 in the `google/vit-*` configs), this model with 1e-6: the
-logits differ by about 1e-6.
+its LayerNorms with `config.layer_norm_eps` (1e-12 in the `google/vit-*` configs): build_vit's
+`layer_norm_epsilon` (`keras_vit.from_pretrained` reads it from the config).
 """
 
 import re

@@ -55,6 +55,7 @@ from keras_vit.data.augment import (
     randaugment_function,
     randaugment_seed,
     random_translate,
+    resize_and_crop,
     resize_flip,
 )
 from keras_vit.data.decode import (
@@ -118,6 +119,7 @@ __all__ = [
     "as_image_limits",
     "carry_failures",
     "center_crop_resize",
+    "resize_and_crop",
     "check_image",
     "check_jpeg",
     "check_other_formats",

@@ -41,6 +41,41 @@ def center_crop_resize(image, size, crop_fraction=1.0):
     cropped = tf.image.crop_to_bounding_box(resized, top, left, height, width)
     return tf.cast(tf.clip_by_value(tf.round(cropped), 0, 255), tf.uint8)
 
+def resize_and_crop(image, preprocessing):
+    """One (H, W, C) image prepared as a `keras_vit.preprocessing.Preprocessing` says: resized (antialiased; as
+    Pillow, the width first and then the height, each pass rounded to uint8), then its center cropped to the
+    model's size.  Returns uint8."""
+    from keras_vit.preprocessing import RESIZE_METHODS
+
+    (height, width), (resize_h, resize_w) = preprocessing.image_size, preprocessing.resize_size
+    shape = tf.shape(image, out_type=tf.int64)[:2]
+    if preprocessing.keep_aspect_ratio:
+        # One scale, the smallest that covers the resize size; the other side floored exactly in integers.
+        by_height = resize_h * shape[1] >= resize_w * shape[0]
+        new_h = tf.where(by_height, tf.constant(resize_h, tf.int64), tf.math.floordiv(resize_w * shape[0], shape[1]))
+        new_w = tf.where(by_height, tf.math.floordiv(resize_h * shape[1], shape[0]), tf.constant(resize_w, tf.int64))
+        # A sliver too thin to cover the crop still covers it.
+        size = tf.stack([tf.maximum(new_h, resize_h), tf.maximum(new_w, resize_w)])
+    else:
+        size = tf.constant([resize_h, resize_w], tf.int64)
+    method = RESIZE_METHODS[preprocessing.interpolation]
+    size = tf.cast(size, tf.int32)
+    # As Pillow: the width first, rounded to uint8, then the height (its two passes, within one level).
+    resized = image
+    for pass_size in (tf.stack([tf.shape(image)[0], size[1]]), size):
+        resized = tf.image.resize(resized, pass_size, method=method, antialias=method != "nearest")
+        resized = tf.clip_by_value(tf.round(resized), 0, 255)
+    resized = tf.cast(resized, tf.uint8)
+    size = tf.cast(size, tf.int64)
+    margins = size - [height, width]
+    if preprocessing.crop_offset == "floor":
+        offsets = margins // 2
+    else:
+        offsets = tf.cast(tf.round(tf.cast(margins, tf.float64) / 2), tf.int64)
+    offsets = tf.cast(offsets, tf.int32)
+    return tf.image.crop_to_bounding_box(resized, offsets[0], offsets[1], height, width)
+
+
 # The Inception crop's box: 8-100% of the image's area (Szegedy et al. 2015; timm, Keras), aspect 3/4-4/3.
 INCEPTION_AREA_RANGE = (0.08, 1.0)
 INCEPTION_ASPECT_RANGE = (3 / 4, 4 / 3)

@@ -31,7 +31,7 @@ CUDNN_HEAD_DIM_MULTIPLE, CUDNN_MAX_HEAD_DIM = 8, 128
 
 def attention(qkv, num_heads, training=False):
     """The reference `attention`'s attended values, without probabilities or dropout."""
-    tokens = qkv.shape[1]
+    tokens = reference.dim(qkv, 1)
     hidden = reference.qkv_width(qkv)
     # (batch, tokens, heads, head_dim) is the layout the fused kernels take: no transposes.
     qkv = ops.reshape(qkv, (-1, tokens, 3, num_heads, hidden // num_heads))
@@ -42,7 +42,7 @@ def attention(qkv, num_heads, training=False):
 def cross_attention(query, key_value, num_heads, training=False):
     """The reference `cross_attention`: query (batch, query tokens, hidden) attending to
     key_value (batch, tokens, 2, hidden)."""
-    query_tokens, tokens, hidden = query.shape[1], key_value.shape[1], query.shape[-1]
+    query_tokens, tokens, hidden = reference.dim(query, 1), reference.dim(key_value, 1), query.shape[-1]
     head_dim = hidden // num_heads
     query = ops.reshape(query, (-1, query_tokens, num_heads, head_dim))
     key_value = ops.reshape(key_value, (-1, tokens, 2, num_heads, head_dim))

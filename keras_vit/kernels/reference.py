@@ -63,6 +63,13 @@ def dropout(x, rate, seed, noise_shape=None):
     return keras.random.dropout(x, rate, noise_shape=noise_shape, seed=seed)
 
 
+def dim(x, axis):
+    """`x`'s size along `axis`: the static one, or (a sequence of any length: a model taking any image size,
+    traced by TensorFlow) the one known when the graph runs."""
+    size = x.shape[axis]
+    return size if size is not None else ops.shape(x)[axis]
+
+
 def qkv_width(qkv):
     """The hidden width of projected tokens, (batch, tokens, 3, hidden) or (batch, tokens, 3 * hidden)."""
     return qkv.shape[-1] if len(qkv.shape) == 4 else qkv.shape[-1] // 3
@@ -70,14 +77,14 @@ def qkv_width(qkv):
 
 def split_heads(x, num_heads):
     """(batch, tokens, hidden) -> (batch, heads, tokens, head_dim)."""
-    tokens, hidden = x.shape[1], x.shape[-1]
+    tokens, hidden = dim(x, 1), x.shape[-1]
     return ops.transpose(ops.reshape(x, (-1, tokens, num_heads, hidden // num_heads)), (0, 2, 1, 3))
 
 
 def split_stacked_heads(projections, count, num_heads):
     """`count` projections stacked, (batch, tokens, count, hidden) (the layers' layout) or the same
     numbers as (batch, tokens, count * hidden) -> `count` tensors (batch, heads, tokens, head_dim)."""
-    tokens, width = projections.shape[1], projections.shape[-1]
+    tokens, width = dim(projections, 1), projections.shape[-1]
     hidden = width if len(projections.shape) == 4 else width // count
     projections = ops.reshape(projections, (-1, tokens, count, num_heads, hidden // num_heads))
     # Unstacking the projections: its gradient is one stack, where indexing's is one
@@ -99,7 +106,7 @@ def split_qkv(qkv, num_heads):
 
 def merge_heads(x):
     """(batch, heads, tokens, head_dim) -> (batch, tokens, heads * head_dim)."""
-    heads, tokens, head_dim = x.shape[1], x.shape[2], x.shape[3]
+    heads, tokens, head_dim = x.shape[1], dim(x, 2), x.shape[3]
     return ops.reshape(ops.transpose(x, (0, 2, 1, 3)), (-1, tokens, heads * head_dim))
 
 

@@ -28,4 +28,5 @@ def dense(x, kernel, bias, activation=None):
         y = tf.nn.gelu(y, approximate=True)
     else:
         y = reference.ACTIVATIONS[activation](y)
-    return tf.reshape(y, (-1, *shape[1:-1], *outputs))
+    middle = [size if size is not None else tf.shape(x)[axis] for axis, size in enumerate(shape[1:-1], 1)]
+    return tf.reshape(y, [-1, *middle, *outputs])

@@ -71,6 +71,36 @@ def sincos_position_embedding(grid_size, hidden_dim, temperature=10_000.0):
     return np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1).astype("float32")
 
 
+def sincos_position_embedding_in_graph(grid_h, grid_w, hidden_dim, temperature=10_000.0):
+    """`sincos_position_embedding` computed with Keras ops for a grid known only when the graph runs."""
+    quarter = hidden_dim // 4
+    omega = 1.0 / temperature ** (np.arange(quarter, dtype="float64") / (quarter - 1))
+    omega = ops.convert_to_tensor(omega.astype("float32"))
+    y, x = ops.meshgrid(ops.arange(grid_h), ops.arange(grid_w), indexing="ij")
+    x = ops.reshape(ops.cast(x, "float32"), (-1, 1)) * omega
+    y = ops.reshape(ops.cast(y, "float32"), (-1, 1)) * omega
+    return ops.concatenate([ops.sin(x), ops.cos(x), ops.sin(y), ops.cos(y)], axis=1)
+
+
+def antialiased_bicubic_weights(old, new):
+    """(new, old) float32 matrix of PyTorch's bicubic resize with antialias=True (timm's
+    `resample_abs_pos_embed`) for a `new` size known only when the graph runs: Keys' kernel
+    (a = -0.5) stretched by old / new when shrinking, centres at (i + 0.5) old / new, taps
+    outside the input left out, rows normalised.  The NumPy form, and its derivation, is
+    `keras_vit.checkpoints.resample.interpolation_matrix(old, new, "bicubic_antialias")`; at
+    new == old it is the identity."""
+    scale = float(old) / ops.cast(new, "float32")
+    stretch = ops.maximum(scale, 1.0)
+    outputs = ops.cast(ops.arange(new), "float32")[:, None]
+    inputs = ops.cast(ops.arange(old), "float32")[None, :]
+    t = ops.abs((inputs + 0.5 - scale * (outputs + 0.5)) / stretch)
+    a = -0.5
+    near = ((a + 2) * t - (a + 3)) * t * t + 1
+    far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+    weights = ops.where(t <= 1, near, ops.where(t < 2, far, 0.0))
+    return weights / ops.sum(weights, axis=1, keepdims=True)
+
+
 def check_sincos_width(hidden_dim):
     """A ValueError unless 2-D sin-cos embeddings exist for this width: a multiple of 4, at least 8."""
     if hidden_dim % 4 or hidden_dim < 8:
@@ -137,6 +167,13 @@ class PatchEncoder(keras.layers.Layer):
         kernel_initializer: initializer of the projection kernel.
         position_embedding: "learned" or "sincos2d" (fixed; hidden_dim a
             multiple of 4, at least 8).
+        base_image_size: (height, width) or None.  Set, the layer takes
+            images of any size whose sides divide by the patch size (timm's
+            `dynamic_img_size`): its weights are made for this size's patch
+            grid and learned position embeddings are resampled to each
+            input's grid in the graph (`antialiased_bicubic_weights`, timm's
+            resize), fixed ones computed for it.  None: only images of the
+            size the layer is built for.
 
     Weights: `kernel` (patch_h, patch_w, channels, hidden_dim), `bias`
     (hidden_dim,), `class_token` (1, 1, hidden_dim), `position_embedding`
@@ -160,10 +197,12 @@ class PatchEncoder(keras.layers.Layer):
         projection="conv",
         kernel_initializer="lecun_normal",
         position_embedding="learned",
+        base_image_size=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
         self.hidden_dim = check_positive_int("hidden_dim", hidden_dim)
+        self.base_image_size = None if base_image_size is None else to_pair(base_image_size, "base_image_size")
         self.patch_size = to_pair(patch_size, "patch_size")
         self.use_class_token = bool(use_class_token)
         if projection not in self.PROJECTIONS:
@@ -183,6 +222,8 @@ class PatchEncoder(keras.layers.Layer):
         self.position_embedding_type = position_embedding
 
     def build(self, input_shape):
+        if self.base_image_size is not None:
+            input_shape = (input_shape[0], *self.base_image_size, input_shape[-1])
         self.grid_size = check_image_shape("PatchEncoder", input_shape, self.patch_size)
         channels = input_shape[-1]
         self.num_patches = self.grid_size[0] * self.grid_size[1]
@@ -208,6 +249,8 @@ class PatchEncoder(keras.layers.Layer):
             self.position_embedding = np.pad(fixed, ((int(self.use_class_token), 0), (0, 0)))[None]
 
     def call(self, images):
+        if self.base_image_size is not None:
+            return self._call_any_size(images)
         expected = (*(g * p for g, p in zip(self.grid_size, self.patch_size)), self.kernel.shape[2])
         if tuple(images.shape[1:]) != expected:
             raise ValueError(
@@ -231,7 +274,60 @@ class PatchEncoder(keras.layers.Layer):
             x = ops.concatenate([class_token, x], axis=1)
         return x + ops.cast(self.position_embedding, self.compute_dtype)
 
+    def _call_any_size(self, images):
+        """`call` for images of any size (with `base_image_size`): the grid read from the input's shape."""
+        shape = ops.shape(images)
+        (ph, pw), channels = self.patch_size, self.kernel.shape[2]
+        height, width = shape[1], shape[2]
+        if isinstance(height, int) and isinstance(width, int):
+            if height % ph or width % pw or images.shape[-1] != channels:
+                raise ValueError(
+                    f"PatchEncoder {self.name!r} takes images whose height and width divide by the patch size "
+                    f"{self.patch_size}, with {channels} channels. Received: images of shape {tuple(images.shape)}"
+                )
+        else:  # TensorFlow, sizes known when the graph runs.
+            import tensorflow as tf
+
+            tf.debugging.assert_equal(
+                [height % ph, width % pw], 0,
+                message=f"PatchEncoder {self.name!r}: the image height and width must divide by the patch size "
+                f"{self.patch_size}",
+            )
+        grid_h, grid_w = height // ph, width // pw
+        kernel = ops.cast(self.kernel, self.compute_dtype)
+        if self.projection == "conv":
+            x = ops.conv(images, kernel, strides=self.patch_size, padding="valid")
+            x = ops.reshape(x, (-1, grid_h * grid_w, self.hidden_dim))
+        else:
+            x = extract_patches(images, self.patch_size, (grid_h, grid_w))
+            x = ops.matmul(x, ops.reshape(kernel, (-1, self.hidden_dim)))
+        x = x + ops.cast(self.bias, self.compute_dtype)
+        prefix = int(self.use_class_token)
+        if self.position_embedding_type == "learned":
+            old_h, old_w = self.grid_size
+            grid = ops.reshape(ops.cast(self.position_embedding[0, prefix:], "float32"), (old_h, old_w, -1))
+            rows = antialiased_bicubic_weights(old_h, grid_h)
+            cols = antialiased_bicubic_weights(old_w, grid_w)
+            grid = ops.einsum("ij,jkd,lk->ild", rows, grid, cols)
+            patches = ops.reshape(grid, (1, grid_h * grid_w, self.hidden_dim))
+            first = ops.cast(self.position_embedding[:, :prefix], "float32")
+        else:
+            patches = sincos_position_embedding_in_graph(grid_h, grid_w, self.hidden_dim)[None]
+            first = ops.zeros((1, prefix, self.hidden_dim), "float32")
+        if self.use_class_token:
+            class_token = ops.cast(self.class_token, self.compute_dtype)
+            class_token = ops.broadcast_to(class_token, (ops.shape(x)[0], 1, self.hidden_dim))
+            x = ops.concatenate([class_token, x], axis=1)
+            patches = ops.concatenate([first, patches], axis=1)
+        return x + ops.cast(patches, self.compute_dtype)
+
     def compute_output_shape(self, input_shape):
+        if self.base_image_size is not None:
+            height, width = input_shape[1], input_shape[2]
+            tokens = None
+            if height is not None and width is not None:
+                tokens = (height // self.patch_size[0]) * (width // self.patch_size[1]) + self.use_class_token
+            return (input_shape[0], tokens, self.hidden_dim)
         gh, gw = check_image_shape("PatchEncoder", input_shape, self.patch_size)
         return (input_shape[0], gh * gw + self.use_class_token, self.hidden_dim)
 
@@ -244,4 +340,5 @@ class PatchEncoder(keras.layers.Layer):
             "projection": self.projection,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
             "position_embedding": self.position_embedding_type,
+            "base_image_size": self.base_image_size,
         }
