@@ -4,9 +4,11 @@ Every artefact takes raw pixels (the model rescales them itself), so it drops
 into a serving stack with no preprocessing code of ours:
 
 - `export_saved_model`: `serving_default` takes uint8 images
-  [batch, H, W, 3]; `serving_bytes` takes encoded JPEG/PNG/GIF/BMP/WebP bytes
-  and decodes, resizes and center-crops in the graph, refusing images past
-  `ImageLimits` before decoding them.  Both return
+  [batch, H, W, 3] (of any height and width for a model built with
+  `dynamic_image_size`); `serving_bytes` takes encoded JPEG/PNG/GIF/BMP/WebP
+  bytes and decodes, resizes and center-crops in the graph (as the model's
+  `preprocessing` says, for a model from `from_pretrained`), refusing images
+  past `ImageLimits` before decoding them.  Both return
   `logits`, `probabilities`, `top_k` (class indices) and `top_k_probabilities`,
   plus `top_k_names` when class names are given.  Load it with plain
   `tf.saved_model.load` or as `keras.layers.TFSMLayer`.
@@ -22,7 +24,7 @@ import tempfile
 
 import numpy as np
 
-from keras_vit.data import center_crop_resize, decode_image
+from keras_vit.data import center_crop_resize, decode_image, resize_and_crop
 from keras_vit.data.header import as_image_limits
 from keras_vit.files import atomic_path, write_bytes_atomically
 from keras_vit.kernels import portable_ops
@@ -47,10 +49,30 @@ def _check_destination(path, overwrite):
 
 
 def _image_shape(model):
+    """The (height, width, channels) a model takes; for one that takes any size (`dynamic_image_size`), the size
+    its weights were made for."""
     shape = tuple(model.input_shape[1:])
+    if len(shape) == 3 and None in shape[:2] and shape[2] is not None:
+        size = _base_size(model)
+        if size is not None:
+            return (*size, shape[2])
     if len(shape) != 3 or None in shape:
         raise ValueError(f"Expected a model with a static (height, width, channels) input. Received: {shape}")
     return shape
+
+
+def _base_size(model):
+    """The image size the weights of a model from `build_vit(dynamic_image_size=True)` were made for."""
+    preprocessing = getattr(model, "preprocessing", None)
+    if preprocessing is not None:
+        return preprocessing.image_size
+    encoders = [layer for layer in model.layers if getattr(layer, "base_image_size", None) is not None]
+    hybrid = any(layer.name == "resnet" for layer in model.layers)
+    return encoders[0].base_image_size if len(encoders) == 1 and not hybrid else None
+
+
+def _is_dynamic(model):
+    return None in tuple(model.input_shape[1:3])
 
 
 def _outputs(logits, top_k, class_names):
@@ -69,7 +91,15 @@ def _outputs(logits, top_k, class_names):
 
 
 def export_saved_model(
-    model, path, *, class_names=None, top_k=None, crop_fraction=1.0, image_limits=None, overwrite=False
+    model,
+    path,
+    *,
+    class_names=None,
+    top_k=None,
+    crop_fraction=None,
+    preprocessing=None,
+    image_limits=None,
+    overwrite=False,
 ):
     """Writes a SavedModel (local or gs://) with two serving signatures.
 
@@ -77,11 +107,17 @@ def export_saved_model(
         model: a Keras model taking (batch, H, W, C) pixels in [0, 255] and
             returning logits (a model from `build_vit`).
         path: the SavedModel folder.
-        class_names: optional names of the classes, returned for the top k.
+        class_names: optional names of the classes, returned for the top k
+            (default: the model's `class_names`, set by `from_pretrained`).
         top_k: how many of the most probable classes to return (default 5,
             or all classes if there are fewer).
         crop_fraction: for `serving_bytes`, the central fraction kept (1.0:
-            resize the shorter side to the model's size and crop the longer).
+            resize the shorter side to the model's size and crop the longer;
+            bilinear).
+        preprocessing: for `serving_bytes`, a `keras_vit.Preprocessing`
+            instead (the resize and crop of the weights' own library);
+            default: the model's `preprocessing` (set by `from_pretrained`)
+            unless `crop_fraction` is given.
         image_limits: for `serving_bytes`, the largest image decoded
             (`keras_vit.data.ImageLimits`: total pixels and aspect ratio; None:
             its defaults).  A request with an image past them, or with bytes
@@ -97,6 +133,18 @@ def export_saved_model(
     if channels not in (1, 3):
         raise ValueError(f"Expected a model of RGB or grey-scale images (3 or 1 channels). Received: {channels}")
     limits = as_image_limits(image_limits)
+    if preprocessing is not None and crop_fraction is not None:
+        raise ValueError("Pass `crop_fraction` or `preprocessing`, not both.")
+    if preprocessing is None and crop_fraction is None:
+        preprocessing = getattr(model, "preprocessing", None)
+    if preprocessing is not None:
+        height, width = preprocessing.image_size
+        if not _is_dynamic(model) and (height, width) != _image_shape(model)[:2]:
+            raise ValueError(
+                f"The preprocessing crops {preprocessing.image_size}, the model takes {_image_shape(model)[:2]}."
+            )
+    if class_names is None:
+        class_names = getattr(model, "class_names", None)
     num_classes = model.output_shape[-1]
     if class_names is not None:
         class_names = [str(name) for name in class_names]
@@ -118,7 +166,9 @@ def export_saved_model(
             image = decode_image(encoded, limits)
             if channels == 1:
                 image = tf.cast(tf.round(tf.image.rgb_to_grayscale(tf.cast(image, tf.float32))), tf.uint8)
-            return center_crop_resize(image, (height, width), crop_fraction)
+            if preprocessing is not None:
+                return resize_and_crop(image, preprocessing)
+            return center_crop_resize(image, (height, width), 1.0 if crop_fraction is None else crop_fraction)
 
         images = tf.map_fn(
             decode,
@@ -133,7 +183,12 @@ def export_saved_model(
             temporary,
             {
                 "serving_default": (
-                    serve_images, tf.TensorSpec([None, height, width, channels], tf.uint8, name="images")
+                    serve_images,
+                    tf.TensorSpec(
+                        [None, *((None, None) if _is_dynamic(model) else (height, width)), channels],
+                        tf.uint8,
+                        name="images",
+                    ),
                 ),
                 "serving_bytes": (serve_bytes, tf.TensorSpec([None], tf.string, name="encoded")),
             },
@@ -218,7 +273,9 @@ def export_tflite(
             right source.
         num_calibration_images: how many of them to use.
         batch_size: the input's batch size; None makes it resizable
-            (`interpreter.resize_tensor_input`).
+            (`interpreter.resize_tensor_input`).  The height and width are
+            fixed: a model built with `dynamic_image_size` is converted at
+            the size its weights were made for.
         overwrite: replace an existing file.
 
     Returns:

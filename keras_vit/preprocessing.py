@@ -89,6 +89,11 @@ class Preprocessing:
         return cls((height, width), resize, keep_aspect_ratio=keep_aspect_ratio, **kwargs)
 
     @property
+    def resize_method(self):
+        """TensorFlow's name of the resize filter (`tf.image.resize`'s `method`)."""
+        return RESIZE_METHODS[self.interpolation]
+
+    @property
     def crop_fraction(self):
         """The fraction of the resized image's shorter side that the crop keeps."""
         return min(s / r for s, r in zip(self.image_size, self.resize_size))

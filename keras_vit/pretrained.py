@@ -87,7 +87,7 @@ def _hub_id(name):
     return None
 
 
-def _download(repo_id, revision):
+def _download(repo_id, revision, cache_dir):
     """The local folder holding the hub repository's config and weights (from huggingface_hub's cache, or
     downloaded: HF_HUB_OFFLINE=1 reads the cache only)."""
     try:
@@ -96,7 +96,7 @@ def _download(repo_id, revision):
         raise PretrainedError(f"Loading {repo_id!r} needs huggingface_hub: pip install huggingface_hub") from error
     try:
         return huggingface_hub.snapshot_download(
-            repo_id, revision=revision, allow_patterns=[CONFIG, PREPROCESSOR, WEIGHTS]
+            repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=[CONFIG, PREPROCESSOR, WEIGHTS]
         )
     except Exception as error:  # Offline, missing, private, gated: all mean the same here.
         raise PretrainedError(
@@ -117,7 +117,7 @@ def _read_json(path):
     return value
 
 
-def _resolve(name_or_path):
+def _resolve(name_or_path, cache_dir=None):
     """(layout, weights path, config, preprocessor config, label) of a folder, file or hub id."""
     name = os.fspath(name_or_path)
     if not isinstance(name, str) or not name:
@@ -140,7 +140,7 @@ def _resolve(name_or_path):
                 f"{name!r} is neither a file, a folder nor a Hugging Face hub id ('owner/name' or a timm model name "
                 f"such as 'vit_base_patch16_224.augreg2_in21k_ft_in1k'). Layouts read: {'; '.join(LAYOUTS)}."
             )
-        folder = _download(*hub)
+        folder = _download(*hub, cache_dir)
     config_path, weights = gfile.join(folder, CONFIG), gfile.join(folder, WEIGHTS)
     if gfile.exists(config_path) and gfile.exists(weights):
         config = _read_json(config_path)
@@ -354,7 +354,7 @@ def _transformers_options(config, preprocessor, path):
 
 
 def from_pretrained(name_or_path, *, image_size=None, num_classes="file", class_names=None, interpolation=None,
-                    num_heads=None, **build_options):
+                    num_heads=None, cache_dir=None, **build_options):
     """A model from `build_vit` with pretrained weights, its architecture read from the files.
 
     Args:
@@ -377,7 +377,10 @@ def from_pretrained(name_or_path, *, image_size=None, num_classes="file", class_
             another `image_size` (`load_pretrained`'s; default the file's
             own library's).
         num_heads: attention heads, for a timm file whose config cannot tell
-            (an architecture name outside timm's usual sizes).
+            (an architecture not in `TIMM_ARCHITECTURES`, a lone
+            `.safetensors`).
+        cache_dir: huggingface_hub's cache folder (default its own,
+            `HF_HUB_CACHE`).
         **build_options: `build_vit` options that leave the weights unchanged:
             `dropout_rate`, `attention_dropout_rate`, `stochastic_depth_rate`,
             `patch_projection`, `head_kernel_initializer`, `name`.
@@ -397,9 +400,9 @@ def from_pretrained(name_or_path, *, image_size=None, num_classes="file", class_
     if unknown:
         raise ValueError(
             f"from_pretrained reads the architecture from the files; {unknown} cannot be set. Options: "
-            f"image_size, num_classes, class_names, interpolation, num_heads, {', '.join(BUILD_OPTIONS)}."
+            f"image_size, num_classes, class_names, interpolation, num_heads, cache_dir, {', '.join(BUILD_OPTIONS)}."
         )
-    layout, weights_path, config, preprocessor, label = _resolve(name_or_path)
+    layout, weights_path, config, preprocessor, label = _resolve(name_or_path, cache_dir)
     dynamic = False
     if layout == "timm":
         heads, options, preprocessing, names, pool, dynamic = _timm_options(config, label)

@@ -73,6 +73,7 @@ SHARED_FIXTURES = (
     "mirrored_runs",
     "hybrid",
     "timm_reference",
+    "torch_reference",
     "failed_writes",
     "small_saved_model",
 )

@@ -23,6 +23,10 @@ def gelu(x):
     return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
 
 
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
 def softmax(x):
     e = np.exp(x - x.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
@@ -73,14 +77,21 @@ def params_from_model(model):
     return {k: np.asarray(v, np.float64) for k, v in p.items()}, i
 
 
-def vit_forward(params, num_layers, images, classifier="token", rescale=True, attention=None):
+def vit_forward(params, num_layers, images, classifier="token", rescale=True, attention=None, *, mean=None, std=None,
+                eps=1e-6, activation=None):
     """Logits (or pooled features if the params have no head) for NHWC images.
 
     If `attention` is a list, each layer's attention probabilities
-    [batch, heads, tokens, tokens] are appended to it.
+    [batch, heads, tokens, tokens] are appended to it.  `rescale`: pixels in
+    [0, 255] to [-1, 1], or with `mean` and `std` to (x / 255 - mean) / std.
+    `eps`: the LayerNorms' epsilon; `activation`: the MLPs' (`gelu`, the
+    default, or `gelu_tanh`).
     """
+    activation = activation or gelu
     x = np.asarray(images, np.float64)
-    if rescale:
+    if rescale and mean is not None:
+        x = (x / 255.0 - np.asarray(mean)) / np.asarray(std)
+    elif rescale:
         x = x / 127.5 - 1.0
     batch, height, width, _ = x.shape
     ph, pw, _, dim = params["embedding/kernel"].shape
@@ -98,7 +109,7 @@ def vit_forward(params, num_layers, images, classifier="token", rescale=True, at
     for i in range(num_layers):
         pre = f"encoderblock_{i}/"
         # Eq. 2: z' = MSA(LN(z)) + z.
-        y = layer_norm(z, params[pre + "LayerNorm_0/scale"], params[pre + "LayerNorm_0/bias"])
+        y = layer_norm(z, params[pre + "LayerNorm_0/scale"], params[pre + "LayerNorm_0/bias"], eps)
         heads = params[pre + "query/kernel"].shape[1]
         out = np.zeros_like(z)
         layer_attention = []
@@ -113,11 +124,11 @@ def vit_forward(params, num_layers, images, classifier="token", rescale=True, at
             attention.append(np.stack(layer_attention, axis=1))
         z = z + out + params[pre + "out/bias"]
         # Eq. 3: z = MLP(LN(z')) + z'.
-        y = layer_norm(z, params[pre + "LayerNorm_2/scale"], params[pre + "LayerNorm_2/bias"])
-        y = gelu(y @ params[pre + "Dense_0/kernel"] + params[pre + "Dense_0/bias"])
+        y = layer_norm(z, params[pre + "LayerNorm_2/scale"], params[pre + "LayerNorm_2/bias"], eps)
+        y = activation(y @ params[pre + "Dense_0/kernel"] + params[pre + "Dense_0/bias"])
         z = z + y @ params[pre + "Dense_1/kernel"] + params[pre + "Dense_1/bias"]
     # Eq. 4: y = LN(z_L^0) (or the mean of the tokens for "gap").
-    z = layer_norm(z, params["encoder_norm/scale"], params["encoder_norm/bias"])
+    z = layer_norm(z, params["encoder_norm/scale"], params["encoder_norm/bias"], eps)
     pooled = z[:, 0] if classifier == "token" else z.mean(axis=1)
     if "pre_logits/kernel" in params:
         pooled = np.tanh(pooled @ params["pre_logits/kernel"] + params["pre_logits/bias"])

@@ -45,8 +45,6 @@ def resize_and_crop(image, preprocessing):
     """One (H, W, C) image prepared as a `keras_vit.preprocessing.Preprocessing` says: resized (antialiased; as
     Pillow, the width first and then the height, each pass rounded to uint8), then its center cropped to the
     model's size.  Returns uint8."""
-    from keras_vit.preprocessing import RESIZE_METHODS
-
     (height, width), (resize_h, resize_w) = preprocessing.image_size, preprocessing.resize_size
     shape = tf.shape(image, out_type=tf.int64)[:2]
     if preprocessing.keep_aspect_ratio:
@@ -58,7 +56,7 @@ def resize_and_crop(image, preprocessing):
         size = tf.stack([tf.maximum(new_h, resize_h), tf.maximum(new_w, resize_w)])
     else:
         size = tf.constant([resize_h, resize_w], tf.int64)
-    method = RESIZE_METHODS[preprocessing.interpolation]
+    method = preprocessing.resize_method
     size = tf.cast(size, tf.int32)
     # As Pillow: the width first, rounded to uint8, then the height (its two passes, within one level).
     resized = image

@@ -141,6 +141,21 @@ def dense(x, kernel, bias=None, activation=None):
     return reference.dense(x, kernel, bias, activation)
 
 
+def check_patch_grid(images, patch_size, message):
+    """Raises unless the height and width of NHWC `images` divide by `patch_size`: a ValueError (`message`, then
+    the shape) where the sizes are known when traced, TensorFlow's InvalidArgumentError when the graph runs
+    where they are not (a model taking any image size, traced by TensorFlow)."""
+    height, width = images.shape[1], images.shape[2]
+    if height is not None and width is not None:
+        if height % patch_size[0] or width % patch_size[1]:
+            raise ValueError(f"{message}. Received: images of shape {tuple(images.shape)}")
+        return
+    if policy.current().backend == "tensorflow":
+        from keras_vit.kernels import tf_ops
+
+        tf_ops.assert_divisible(images, patch_size, message)
+
+
 def _check_qkv(qkv, num_heads):
     shape = tuple(qkv.shape)
     stacked = len(shape) == 4 and shape[2] == 3

@@ -30,3 +30,9 @@ def dense(x, kernel, bias, activation=None):
         y = reference.ACTIVATIONS[activation](y)
     middle = [size if size is not None else tf.shape(x)[axis] for axis, size in enumerate(shape[1:-1], 1)]
     return tf.reshape(y, [-1, *middle, *outputs])
+
+
+def assert_divisible(images, patch_size, message):
+    """An assertion, run with the graph, that the NHWC images' height and width divide by `patch_size`."""
+    shape = tf.shape(images)
+    tf.debugging.assert_equal(tf.stack([shape[1] % patch_size[0], shape[2] % patch_size[1]]), 0, message=message)

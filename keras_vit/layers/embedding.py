@@ -8,6 +8,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_vit import kernels
 from keras_vit.layers.common import check_positive_int, register
 from keras_vit.variants import to_pair
 
@@ -276,23 +277,20 @@ class PatchEncoder(keras.layers.Layer):
 
     def _call_any_size(self, images):
         """`call` for images of any size (with `base_image_size`): the grid read from the input's shape."""
-        shape = ops.shape(images)
         (ph, pw), channels = self.patch_size, self.kernel.shape[2]
-        height, width = shape[1], shape[2]
-        if isinstance(height, int) and isinstance(width, int):
-            if height % ph or width % pw or images.shape[-1] != channels:
-                raise ValueError(
-                    f"PatchEncoder {self.name!r} takes images whose height and width divide by the patch size "
-                    f"{self.patch_size}, with {channels} channels. Received: images of shape {tuple(images.shape)}"
-                )
-        else:  # TensorFlow, sizes known when the graph runs.
-            import tensorflow as tf
-
-            tf.debugging.assert_equal(
-                [height % ph, width % pw], 0,
-                message=f"PatchEncoder {self.name!r}: the image height and width must divide by the patch size "
-                f"{self.patch_size}",
+        if images.shape[-1] != channels:
+            raise ValueError(
+                f"PatchEncoder {self.name!r} expects images with {channels} channels. Received: images of shape "
+                f"{tuple(images.shape)}"
             )
+        kernels.check_patch_grid(
+            images,
+            self.patch_size,
+            f"PatchEncoder {self.name!r} takes images whose height and width divide by the patch size "
+            f"{self.patch_size}",
+        )
+        shape = ops.shape(images)
+        height, width = shape[1], shape[2]
         grid_h, grid_w = height // ph, width // pw
         kernel = ops.cast(self.kernel, self.compute_dtype)
         if self.projection == "conv":
