@@ -1,7 +1,13 @@
-r"""Exports a trained model for serving and checks it against the Keras model.
+r"""Exports a trained model, or pretrained weights, for serving and checks it against the Keras model.
 
     python -m experiments.export --model=runs/digits/model.keras \
         --format=tflite --quantize=int8 --out=runs/digits/model_int8.tflite
+    python -m experiments.export --pretrained=timm/vit_base_patch16_224.augreg2_in21k_ft_in1k \
+        --out=vit_b16_saved_model
+
+--model: a .keras file; or --pretrained: what `keras_vit.from_pretrained` opens
+(a hub id, a folder, an .npz), exported with the weights' own resize, crop and
+label names.
 
 --format: saved_model (with the `serving_default` and `serving_bytes`
 signatures), tflite (--quantize: none, float16, dynamic, int8) or onnx.  int8
@@ -28,7 +34,10 @@ from keras_vit.data.header import ImageLimits
 def define_flags():
     """The job's flags, defined when it runs as a program (`common.run_job`), not on import."""
     return {
-        "model": flags.DEFINE_string("model", None, "A .keras model.", required=True),
+        "model": flags.DEFINE_string("model", None, "A .keras model (or --pretrained)."),
+        "pretrained": flags.DEFINE_string(
+            "pretrained", None, "Pretrained weights for keras_vit.from_pretrained: a hub id, folder or .npz."
+        ),
         "format": flags.DEFINE_enum("format", "saved_model", ["saved_model", "tflite", "onnx"], "Artefact."),
         "quantize": flags.DEFINE_enum("quantize", "none", ["none", "float16", "dynamic", "int8"], "TFLite only."),
         "out": flags.DEFINE_string("out", None, "Where to write the artefact.", required=True),
@@ -58,6 +67,8 @@ def artefact_size(path):
 def sample_images(model, count, seed=0):
     """Images to calibrate and compare on: digits when the model takes them, else random pixels."""
     height, width, channels = model.input_shape[1:]
+    if height is None or width is None:  # A model taking any size: the size of its weights.
+        height, width = export.fixed_image_shape(model)[:2]
     if height == width and channels == 3:
         from keras_vit.data import load_digits
 
@@ -124,8 +135,19 @@ def export_and_check(
 
 
 def main(cli):
+    if (cli.model.value is None) == (cli.pretrained.value is None):
+        raise ValueError(
+            f"Give one of --model and --pretrained. Received: --model={cli.model.value!r}, "
+            f"--pretrained={cli.pretrained.value!r}"
+        )
+    if cli.model.value is not None:
+        model = keras.saving.load_model(cli.model.value)
+    else:
+        from keras_vit import from_pretrained
+
+        model = from_pretrained(cli.pretrained.value)
     export_and_check(
-        keras.saving.load_model(cli.model.value),
+        model,
         cli.format.value,
         cli.out.value,
         quantize=None if cli.quantize.value == "none" else cli.quantize.value,

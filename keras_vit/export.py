@@ -48,7 +48,7 @@ def _check_destination(path, overwrite):
     return path
 
 
-def _image_shape(model):
+def fixed_image_shape(model):
     """The (height, width, channels) a model takes; for one that takes any size (`dynamic_image_size`), the size
     its weights were made for."""
     shape = tuple(model.input_shape[1:])
@@ -129,7 +129,7 @@ def export_saved_model(
     Returns:
         The path written.
     """
-    height, width, channels = _image_shape(model)
+    height, width, channels = fixed_image_shape(model)
     if channels not in (1, 3):
         raise ValueError(f"Expected a model of RGB or grey-scale images (3 or 1 channels). Received: {channels}")
     limits = as_image_limits(image_limits)
@@ -139,9 +139,9 @@ def export_saved_model(
         preprocessing = getattr(model, "preprocessing", None)
     if preprocessing is not None:
         height, width = preprocessing.image_size
-        if not _is_dynamic(model) and (height, width) != _image_shape(model)[:2]:
+        if not _is_dynamic(model) and (height, width) != fixed_image_shape(model)[:2]:
             raise ValueError(
-                f"The preprocessing crops {preprocessing.image_size}, the model takes {_image_shape(model)[:2]}."
+                f"The preprocessing crops {preprocessing.image_size}, the model takes {fixed_image_shape(model)[:2]}."
             )
     if class_names is None:
         class_names = getattr(model, "class_names", None)
@@ -288,7 +288,7 @@ def export_tflite(
             "quantize='int8' needs `representative_data`: a few hundred images from the evaluation "
             "pipeline to calibrate the activation ranges."
         )
-    height, width, channels = _image_shape(model)
+    height, width, channels = fixed_image_shape(model)
     path = _check_destination(path, overwrite)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -368,7 +368,7 @@ def export_onnx(model, path, *, opset=17, overwrite=False):
         import tf2onnx
     except ImportError as error:
         raise ImportError("ONNX export needs tf2onnx: pip install 'keras-vit[onnx]'.") from error
-    height, width, channels = _image_shape(model)
+    height, width, channels = fixed_image_shape(model)
     path = _check_destination(path, overwrite)
     serve = tf.function(lambda images: model(images, training=False))
     spec = [tf.TensorSpec([None, height, width, channels], tf.float32, name="images")]

@@ -226,15 +226,18 @@ def _architecture(params):
             units[int(m[1])] = max(units.get(int(m[1]), 0), int(m[2]))
     if "conv_root/kernel" in params:
         layers = tuple(units[s] for s in sorted(units))
-        matches = [n for n, (size, stages, _) in HYBRIDS.items() if (stages, MODEL_SIZES[size][0]) == (layers, hidden)]
+        # The hybrid with these ResNet stages (the widths and depth are overridden by the arrays' own).
+        matches = [name for name, (_, stages, _) in HYBRIDS.items() if stages == layers]
         if not matches:
-            raise CheckpointError(f"A hybrid of ResNet stages {layers} and width {hidden} is none of {list(HYBRIDS)}.")
+            raise CheckpointError(f"A hybrid of ResNet stages {layers} is none of {list(HYBRIDS)}.")
         arguments["variant"] = matches[0]
+        arguments["num_channels"] = int(params["conv_root/kernel"].shape[2])  # the image's, not the features'
     return arguments
 
 
 def _variant_name(arguments):
-    """A paper-notation name for the model ("B/16") when it is a table size, else "custom"."""
+    """The variant to build with the architecture's overrides: the table's name when the sizes are a row of
+    it ("B/16", also the model's default name), else "B/16" with every size overridden."""
     if "variant" in arguments:
         return arguments["variant"]
     size = (arguments["hidden_dim"], arguments["num_layers"], arguments["num_heads"], arguments["mlp_dim"])
@@ -421,6 +424,8 @@ def from_pretrained(name_or_path, *, image_size=None, num_classes="file", class_
             f"{(config or {}).get('architecture')!r}); pass num_heads=."
         )
     params, _, _, _ = model_io.to_original_layout(raw, heads or 1)
+    if torch_layout and POSEMB not in params:
+        raise PretrainedError(f"{label!r} has no position embeddings (timm's 'pos_embed'): not a ViT built here.")
     arguments = _architecture(params)
     if pool is not None:
         expected = {"token": "token", "avg": "gap", "map": "map"}.get(pool)

@@ -21,7 +21,7 @@ JOB_FLAGS = {
     "transfer": ["config", "workdir"],
     "export": [
         "calibration_images", "class_names", "format", "max_aspect_ratio", "max_pixels", "model", "out", "overwrite",
-        "quantize",
+        "pretrained", "quantize",
     ],
     "visualize": ["image", "model", "out"],
     "data_service": ["dispatcher", "port", "role", "work_dir", "worker_address"],

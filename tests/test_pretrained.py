@@ -20,6 +20,7 @@ from keras_vit.layers.embedding import antialiased_bicubic_weights
 from keras_vit.pretrained import PretrainedError
 from tests import numpy_vit
 from tests.conftest import random_images, randomize_weights
+from tests.test_export import ROOT, serve
 from tests.test_timm_weights import timm_python
 from tests.test_transformers_weights import CLASSES, HEADS, LAYERS, MLP, PATCH, SIDE, D, hand_written_state_dict
 from tests.test_transformers_weights import numpy_params as transformers_numpy_params
@@ -140,16 +141,21 @@ def test_a_transformers_folder_alone_gives_the_numpy_forward_pass_with_its_epsil
     np.testing.assert_allclose(plain.predict(images, verbose=0), expected, atol=1e-4)
 
 
-@pytest.mark.parametrize("options", [{"classifier": "gap", "representation_size": 6}, {"classifier": "token"}])
-def test_an_original_npz_gives_its_architecture_from_the_shapes(tmp_path, options):
+@pytest.mark.parametrize("variant, options", [
+    ("testing", {"classifier": "gap", "representation_size": 6, "num_heads": 2, "patch_size": 4}),
+    ("testing", {"classifier": "token", "num_heads": 2, "patch_size": 4}),
+    ("R+Ti/16", {"num_heads": 3, "patch_size": 4}),  # a hybrid (stride 4 x patch 4): its stem from conv_root
+])
+def test_an_original_npz_gives_its_architecture_from_the_shapes(tmp_path, variant, options):
     source = randomize_weights(keras_vit.build_vit(
-        "testing", image_size=(16, 16), num_classes=4, patch_size=4, hidden_dim=12, num_heads=2, mlp_dim=20,
-        num_layers=3, gelu="tanh", **options))
+        variant, image_size=(16, 16), num_classes=4, hidden_dim=12, mlp_dim=20, num_layers=3, gelu="tanh",
+        **options))
     checkpoints.save_npz(source, tmp_path / "ViT-custom.npz")
     model = keras_vit.from_pretrained(tmp_path / "ViT-custom.npz")
-    assert model.name == "ViT_custom"
+    assert model.name == "ViT_custom" and model.count_params() == source.count_params()
     blocks = [layer for layer in model.layers if layer.name.startswith("encoderblock_")]
-    assert (len(blocks), blocks[0].num_heads, blocks[0].mlp_dim, blocks[0].gelu) == (3, 2, 20, "tanh")
+    assert (len(blocks), blocks[0].num_heads, blocks[0].mlp_dim, blocks[0].gelu) == (3, options["num_heads"], 20,
+                                                                                     "tanh")
     assert model.input_shape == (None, 16, 16, 3) and model.class_names is None
     for a, b in zip(source.weights, model.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
@@ -205,6 +211,13 @@ def test_any_image_size_resamples_in_the_graph_as_timm(tmp_path):
                                    atol=1e-5, err_msg=f"{height}x{width}")
     with pytest.raises(ValueError, match=r"divide by the patch size \(8, 8\).*\(1, 20, 24, 3\)"):
         model(np.zeros((1, 20, 24, 3), np.float32))
+    # Another base size keeps it taking any size, its weights now made for 40 x 16.
+    rebased = keras_vit.set_image_size(model, (40, 16), interpolation="bicubic_antialias")
+    assert rebased.input_shape == (None, None, None, 3)
+    assert rebased.get_layer("patch_encoder").base_image_size == (40, 16)
+    images = random_images((2, 40, 16, 3), seed=12)
+    reference = keras_vit.set_image_size(static, (40, 16), interpolation="bicubic_antialias")
+    np.testing.assert_allclose(rebased.predict(images, verbose=0), reference.predict(images, verbose=0), atol=1e-5)
     # The graph's resampling matrices are the NumPy ones (the derivation is in keras_vit.checkpoints.resample).
     for old, new in ((3, 5), (5, 3), (4, 4), (14, 24), (24, 7)):
         np.testing.assert_allclose(keras.ops.convert_to_numpy(antialiased_bicubic_weights(old, new)),
@@ -306,6 +319,7 @@ def test_preprocessing_resizes_and_crops_as_torchvision_and_transformers_place_t
 
 @pytest.mark.slow
 def test_the_savedmodel_serves_with_the_weights_preprocessing_labels_and_any_size(tmp_path):
+    """Served in a process that never imports keras_vit (tests/serving_check.py)."""
     import tensorflow as tf
 
     from keras_vit.data import decode_image
@@ -314,30 +328,22 @@ def test_the_savedmodel_serves_with_the_weights_preprocessing_labels_and_any_siz
     timm_folder(tmp_path / "deit")
     model = keras_vit.from_pretrained(tmp_path / "deit", image_size="dynamic")
     export_saved_model(model, tmp_path / "saved")
-    loaded = tf.saved_model.load(str(tmp_path / "saved"))
-    photo = io.BytesIO()
-    from PIL import Image
-
-    Image.fromarray(random_images((41, 97, 3), seed=9).astype(np.uint8)).save(photo, "PNG")
-    served = loaded.signatures["serving_bytes"](encoded=tf.constant([photo.getvalue()]))
-    expected = model.predict(model.preprocessing(decode_image(photo.getvalue())).numpy()[None], verbose=0)
-    np.testing.assert_allclose(served["logits"].numpy(), expected, atol=1e-5)
-    assert served["top_k_names"].numpy()[0, 0].decode() == model.class_names[int(np.argmax(expected))]
-    other = random_images((1, 40, 16, 3), seed=10).astype(np.uint8)
-    np.testing.assert_allclose(loaded.signatures["serving_default"](images=tf.constant(other))["logits"].numpy(),
-                               model.predict(other, verbose=0), atol=1e-5)
+    photos = [tf.io.encode_png(random_images(shape, seed=9).astype(np.uint8)).numpy()
+              for shape in ((41, 97, 3), (75, 50, 3))]
+    other_size = random_images((2, 40, 16, 3), seed=10).astype(np.uint8)
+    out = serve("saved_model", tmp_path / "saved", tmp_path, images=other_size, encoded=np.array(photos))
+    # Any size for raw pixels; the weights' resize and crop (timm's crop_pct, bicubic) for encoded photos.
+    np.testing.assert_allclose(out["images_logits"], model.predict(other_size, verbose=0), atol=1e-5)
+    prepared = np.stack([model.preprocessing(decode_image(photo)).numpy() for photo in photos])
+    expected = model.predict(prepared, verbose=0)
+    np.testing.assert_allclose(out["bytes_logits"], expected, atol=1e-5)
+    np.testing.assert_array_equal(out["bytes_top_k_names"][:, 0].astype(str),
+                                  np.array(model.class_names)[expected.argmax(-1)])
     # TFLite keeps the size the weights were made for.
-    from ai_edge_litert.interpreter import Interpreter
-
     export_tflite(model, tmp_path / "model.tflite")
-    interpreter = Interpreter(model_path=str(tmp_path / "model.tflite"))
-    interpreter.allocate_tensors()
-    (inputs,), (outputs,) = interpreter.get_input_details(), interpreter.get_output_details()
-    assert tuple(inputs["shape"]) == (1, SIDE, SIDE, 3)
-    image = random_images((1, SIDE, SIDE, 3), seed=11)
-    interpreter.set_tensor(inputs["index"], image)
-    interpreter.invoke()
-    np.testing.assert_allclose(interpreter.get_tensor(outputs["index"]), model.predict(image, verbose=0), atol=1e-4)
+    images = random_images((2, SIDE, SIDE, 3), seed=11).astype(np.uint8)
+    out = serve("tflite", tmp_path / "model.tflite", tmp_path, images=images)
+    np.testing.assert_allclose(out["logits"], model.predict(images, verbose=0), atol=1e-4)
 
 
 # === Parity with timm and transformers themselves ===
@@ -487,3 +493,22 @@ def test_transformers_reads_what_save_transformers_writes(torch_reference):
     out, inputs, outputs, source = torch_reference
     np.testing.assert_allclose(outputs["saved_here/32x32"], source.predict(inputs["32x32"], verbose=0), atol=1e-4)
     assert list(outputs["saved_here/labels"]) == [f"n{i}" for i in range(5)]
+
+
+@pytest.mark.slow
+def test_the_export_job_exports_pretrained_weights_by_name(tmp_path):
+    import sys
+    from types import SimpleNamespace
+
+    from experiments import export as export_job
+
+    transformers_folder(tmp_path / "vit")
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.export", f"--pretrained={tmp_path / 'vit'}", f"--out={tmp_path / 'sm'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "top-1 agreement 100.0%" in result.stdout and (tmp_path / "sm" / "saved_model.pb").exists()
+    both = SimpleNamespace(model=SimpleNamespace(value="m.keras"), pretrained=SimpleNamespace(value="google/vit"))
+    with pytest.raises(ValueError, match="Give one of --model and --pretrained"):
+        export_job.main(both)

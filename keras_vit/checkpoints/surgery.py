@@ -6,6 +6,7 @@ import keras
 from keras_vit.checkpoints.base import check_interpolation
 from keras_vit.checkpoints.resample import resample_position_embeddings
 from keras_vit.layers import PatchEncoder
+from keras_vit.resnet import ResNetStem
 from keras_vit.variants import to_pair
 
 # === Resolution ===
@@ -44,17 +45,24 @@ def _source_layers(serialized):
 
 
 def _rebuild(model, image_size=None):
-    """Rebuilds a chain-shaped model from its layers' configs, optionally at another size."""
+    """Rebuilds a chain-shaped model from its layers' configs, optionally at another size.  A model taking any
+    image size (`dynamic_image_size`) still does; its weights are then made for `image_size`."""
     layers = model.layers
     if not _is_chain(model):
         raise ValueError(f"Expected a model from build_vit (a chain of layers); got {model.name!r}.")
     height, width, channels = model.input_shape[1:]
+    dynamic = height is None or width is None
     if image_size is not None:
         height, width = to_pair(image_size, "image_size")
-    inputs = keras.Input((height, width, channels), dtype=model.inputs[0].dtype, name=layers[0].name)
+    input_size = (None, None) if dynamic else (height, width)
+    inputs = keras.Input((*input_size, channels), dtype=model.inputs[0].dtype, name=layers[0].name)
     x, clones = inputs, []
     for layer in layers[1:]:
-        clone = layer.__class__.from_config(layer.get_config())
+        config = layer.get_config()
+        if dynamic and image_size is not None and config.get("base_image_size") is not None:
+            stride = next((ResNetStem.stride(stem.num_layers) for stem in layers if isinstance(stem, ResNetStem)), 1)
+            config["base_image_size"] = (height // stride, width // stride)
+        clone = layer.__class__.from_config(config)
         x = clone(x)
         clones.append(clone)
     return keras.Model(inputs, x, name=model.name), list(zip(layers[1:], clones))
