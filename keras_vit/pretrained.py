@@ -282,14 +282,17 @@ def _timm_options(config, path):
     if crop_mode not in ("center", "squash"):
         raise PretrainedError(f"{path!r}: pretrained_cfg crop_mode={crop_mode!r}; read: 'center', 'squash'.")
     interpolation = pretrained.get("interpolation", "bicubic")
+    # Where the config leaves them out, the defaults of timm's `_cfg` in deit.py (ImageNet's statistics, crop
+    # 0.875) and vision_transformer.py (0.5 and 0.5, crop 0.9).
+    deit = architecture.startswith("deit")
+    mean, std = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) if deit else ((0.5,) * 3, (0.5,) * 3)
     preprocessing = {
-        "crop_fraction": float(pretrained.get("crop_pct", 0.875)),
+        "crop_fraction": float(pretrained.get("crop_pct", 0.875 if deit else 0.9)),
         # timm's "random" (training only) evaluates as bilinear.
         "interpolation": interpolation if interpolation in RESIZE_METHODS else "bilinear",
         "keep_aspect_ratio": crop_mode == "center",
-        # timm's defaults where a config has none: ImageNet's statistics.
-        "mean": tuple(pretrained.get("mean", (0.485, 0.456, 0.406))),
-        "std": tuple(pretrained.get("std", (0.229, 0.224, 0.225))),
+        "mean": tuple(pretrained.get("mean", mean)),
+        "std": tuple(pretrained.get("std", std)),
     }
     names = config.get("label_names")
     if isinstance(names, dict):
