@@ -16,7 +16,6 @@ together, as libraries, without side effects.
     (64, (2, 2))
 """
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -33,7 +32,7 @@ from ml_collections import config_flags
 
 import keras_vit
 from keras_vit import data as vit_data
-from keras_vit import training, visualize
+from keras_vit import evaluation, training, visualize
 from keras_vit.files import write_text_atomically
 from keras_vit.variants import ViTConfig, parse_variant, to_pair
 
@@ -369,23 +368,6 @@ def real_accuracy(logits, real_labels):
     return float(hits[labelled].mean())
 
 
-def predict_with_labels(model, batches, strategy=None):
-    """(logits, labels) as NumPy arrays for every example of `batches` of (images, labels), in order.
-
-    `model.predict` runs the model, so a strategy or a keras.distribution
-    spreads the work as in training; the labels ride along through a wrapper
-    model (built under `strategy`'s scope, the model's) that returns its label
-    input beside the logits.
-    """
-    _, label_spec = batches.element_spec
-    with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        image = keras.Input(model.input_shape[1:], dtype=model.inputs[0].dtype, name="image")
-        label = keras.Input(label_spec.shape[1:], dtype=label_spec.dtype, name="label")
-        wrapper = keras.Model({"image": image, "label": label}, [model(image), label])
-    logits, labels = wrapper.predict(batches.map(lambda x, y: {"image": x, "label": y}), verbose=0)
-    return logits, labels
-
-
 def extra_evaluations(config, model, strategy=None):
     """`model` on each test set of config.extra_evals that is prepared in config.data_dir (ImageNet-v2,
     ReaL, ...): {name: {"data", "examples", "accuracy"}}, or {name: {"data", "skipped": why}} (and a log
@@ -415,7 +397,7 @@ def extra_evaluations(config, model, strategy=None):
             lambda x, y: (vit_data.center_crop_resize(x, size, config.crop_fraction), y),
             num_parallel_calls=tf.data.AUTOTUNE,
         ).batch(config.batch_size).prefetch(tf.data.AUTOTUNE)
-        logits, labels = predict_with_labels(model, batches, strategy)
+        logits, labels = evaluation.predict_with_labels(model, batches, strategy)
         result = {"data": data, "examples": count, "examples_evaluated": len(labels)}
         if labels.ndim == 2:
             result["accuracy"] = real_accuracy(logits, labels)

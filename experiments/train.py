@@ -32,7 +32,7 @@ from absl import app, flags, logging
 
 import keras_vit
 from experiments import common, config_checks
-from keras_vit import backups, export, parallel, training, visualize
+from keras_vit import backups, evaluation, export, parallel, training, visualize
 from keras_vit.distribute import STRATEGIES, get_strategy, is_chief
 from keras_vit.files import atomic_path
 
@@ -261,13 +261,20 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
 
     # === Evaluate (the test split, first read now) and save ===
     test_ds = dataset.make_test()
-    test_loss, test_accuracy = model.evaluate(test_ds, verbose=0)
+    # Top-1 and top-5, loss (without label smoothing), per-class figures, calibration: eval/ holds eval.json,
+    # the confusion matrix (CSV, PNG) and the reliability diagram.
+    final = evaluation.evaluate(model, test_ds, class_names=dataset.class_names, strategy=strategy)
+    final.metrics.update(split=dataset.splits.get("test", {}), skipped_files=dataset.skipped.count)
+    final.write(tf.io.gfile.join(workdir, "eval"))
+    test_loss, test_accuracy = final.metrics["loss"], final.metrics["top1_accuracy"]
     model_path = tf.io.gfile.join(workdir, "model.keras")
     with atomic_path(model_path, suffix=".keras") as temporary:
         model.save(temporary)
     metrics = {
         "test_accuracy": float(test_accuracy),  # The final model's.
         "test_loss": float(test_loss),
+        "test_top5_accuracy": final.metrics["top5_accuracy"],
+        "test_expected_calibration_error": final.metrics["expected_calibration_error"],
         "epochs": int(config.epochs),
         "steps": int(model.optimizer.iterations.numpy()),
         "train_images_per_second": throughput.images_per_second(

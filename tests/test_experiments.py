@@ -24,6 +24,9 @@ JOB_FLAGS = {
         "pretrained", "quantize",
     ],
     "visualize": ["image", "model", "out"],
+    "evaluate": [
+        "batch_size", "crop_fraction", "data_dir", "dataset", "model", "out", "seed", "split", "test_fraction",
+    ],
     "data_service": ["dispatcher", "port", "role", "work_dir", "worker_address"],
 }
 IMPORT_SCRIPT = """

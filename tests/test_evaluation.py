@@ -1,0 +1,146 @@
+"""`keras_vit.evaluation` against scikit-learn and NumPy on fixed predictions; its files; the evaluation job."""
+
+import json
+
+import numpy as np
+import pytest
+import sklearn.metrics
+
+import keras_vit
+from keras_vit import evaluation
+from tests.conftest import random_images, randomize_weights, run_module
+
+
+def fixed_predictions(n=300, classes=7, seed=0):
+    """Logits that favour the true class, so that every metric is away from its trivial value; class 6 is
+    never predicted (its precision is 0 by scikit-learn's zero_division=0)."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, n)
+    logits = rng.normal(0, 1.5, (n, classes))
+    logits[np.arange(n), labels] += 1.5
+    logits[:, classes - 1] -= 10.0
+    return logits.astype(np.float32), labels
+
+
+def test_the_report_matches_scikit_learn():
+    logits, labels = fixed_predictions()
+    report = evaluation.classification_report(logits, labels, class_names=list("abcdefg"))
+    predicted = logits.argmax(-1)
+    probabilities = np.exp(logits - logits.max(-1, keepdims=True))
+    probabilities /= probabilities.sum(-1, keepdims=True)
+    assert report["examples"] == 300
+    assert report["top1_accuracy"] == pytest.approx(sklearn.metrics.accuracy_score(labels, predicted), abs=1e-6)
+    assert report["top5_accuracy"] == pytest.approx(sklearn.metrics.top_k_accuracy_score(labels, logits, k=5),
+                                                    abs=1e-6)
+    assert report["loss"] == pytest.approx(sklearn.metrics.log_loss(labels, probabilities), rel=1e-5)
+    precision, recall, f1, support = sklearn.metrics.precision_recall_fscore_support(labels, predicted,
+                                                                                     zero_division=0)
+    per_class = report["per_class"]
+    assert list(per_class) == list("abcdefg")
+    np.testing.assert_allclose([per_class[c]["precision"] for c in "abcdefg"], precision, atol=1e-6)
+    np.testing.assert_allclose([per_class[c]["recall"] for c in "abcdefg"], recall, atol=1e-6)
+    np.testing.assert_allclose([per_class[c]["f1"] for c in "abcdefg"], f1, atol=1e-6)
+    assert [per_class[c]["support"] for c in "abcdefg"] == list(support)
+    assert per_class["g"]["precision"] == 0.0 and per_class["g"]["support"] > 0
+    assert report["macro_f1"] == pytest.approx(sklearn.metrics.f1_score(labels, predicted, average="macro",
+                                                                        zero_division=0), abs=1e-6)
+    np.testing.assert_array_equal(report["confusion_matrix"], sklearn.metrics.confusion_matrix(labels, predicted))
+    assert 0.3 < report["top1_accuracy"] < report["top5_accuracy"] < 1.0
+
+
+def test_the_calibration_error_is_the_binned_gap_between_accuracy_and_confidence():
+    logits, labels = fixed_predictions(seed=1)
+    report = evaluation.classification_report(logits, labels, num_bins=10)
+    probabilities = np.exp(logits - logits.max(-1, keepdims=True))
+    probabilities /= probabilities.sum(-1, keepdims=True)
+    confidence, correct = probabilities.max(-1), probabilities.argmax(-1) == labels
+    # Written out another way: bin b holds confidences in [b / 10, (b + 1) / 10), the last one 1.0 too.
+    index = np.minimum((confidence * 10).astype(int), 9)
+    expected = sum(
+        np.mean(index == b) * abs(correct[index == b].mean() - confidence[index == b].mean())
+        for b in range(10) if np.any(index == b)
+    )
+    assert report["expected_calibration_error"] == pytest.approx(expected, abs=1e-6)
+    bins = report["calibration_bins"]
+    assert [b["count"] for b in bins] == [int(np.sum(index == b)) for b in range(10)]
+    assert sum(b["count"] for b in bins) == 300 and expected > 0.01
+    # Perfectly calibrated predictions (each bin's accuracy is its confidence) have none.
+    certain = np.full((4, 2), [10.0, -10.0], np.float32)
+    assert evaluation.classification_report(certain, np.zeros(4))["expected_calibration_error"] < 1e-4
+
+
+def test_bad_predictions_are_refused_by_name():
+    logits, labels = fixed_predictions()
+    with pytest.raises(ValueError, match=r"logits \(N, classes\) and N integer labels"):
+        evaluation.classification_report(logits, labels[:10])
+    with pytest.raises(ValueError, match=r"Labels must be in \[0, 7\). Received: labels in \[1, 9\]"):
+        evaluation.classification_report(logits, np.where(labels == 0, 9, labels))
+    with pytest.raises(ValueError, match="3 class names for 7 classes"):
+        evaluation.classification_report(logits, labels, class_names=["a", "b", "c"])
+
+
+def test_the_files_written(tmp_path):
+    import tensorflow as tf
+
+    logits, labels = fixed_predictions()
+    model = randomize_weights(keras_vit.build_vit("testing", image_size=16, num_classes=7, patch_size=8,
+                                                  num_heads=2), scale=0.1)
+    images = random_images((40, 16, 16, 3))
+    result = evaluation.evaluate(model, (images, labels[:40]), class_names=list("abcdefg"))
+    np.testing.assert_allclose(result.logits, model.predict(images, verbose=0), atol=1e-6)
+    paths = result.write(tmp_path / "eval")
+    assert sorted(paths) == ["confusion_matrix.csv", "confusion_matrix.png", "eval.json", "reliability.png"]
+    written = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert written["examples"] == 40 and written["images_per_second"] > 0
+    rows = (tmp_path / "eval" / "confusion_matrix.csv").read_text().splitlines()
+    assert rows[0] == "true \\ predicted,a,b,c,d,e,f,g"
+    np.testing.assert_array_equal([[int(v) for v in row.split(",")[1:]] for row in rows[1:]],
+                                  written["confusion_matrix"])
+    for name in ("confusion_matrix.png", "reliability.png"):
+        assert tf.io.decode_png(tf.io.read_file(paths[name])).shape[0] > 200
+    # Past MAX_MATRIX_CLASSES classes the matrix is a CSV only; names with commas are quoted.
+    many = evaluation.Evaluation(
+        evaluation.classification_report(np.eye(101, dtype=np.float32), np.arange(101)),
+        [f"class, {i}" for i in range(101)], None, None,
+    )
+    paths = many.write(tmp_path / "many")
+    assert "confusion_matrix.png" not in paths
+    assert (tmp_path / "many" / "confusion_matrix.csv").read_text().splitlines()[1].startswith('"class, 0",1,0')
+
+
+@pytest.mark.slow
+def test_the_job_evaluates_the_main_jobs_model_as_the_training_job_did(digits_main_job, tmp_path):
+    """The training job's final evaluation and the evaluation job are the same code: the same numbers."""
+    workdir, _ = digits_main_job
+    trained = json.loads((workdir / "metrics.json").read_text())
+    final = json.loads((workdir / "eval" / "eval.json").read_text())
+    assert final["top1_accuracy"] == pytest.approx(trained["test_accuracy"])
+    assert (workdir / "eval" / "confusion_matrix.png").exists() and (workdir / "eval" / "reliability.png").exists()
+    stdout = run_module("experiments.evaluate", f"--model={workdir / 'model.keras'}", f"--out={tmp_path}")
+    assert "images of the digits' test split: top-1" in stdout
+    metrics = json.loads((tmp_path / "eval.json").read_text())
+    assert metrics["top1_accuracy"] == pytest.approx(trained["test_accuracy"], abs=1e-6)
+    assert metrics["top1_accuracy"] >= 0.97 and metrics["top5_accuracy"] >= metrics["top1_accuracy"]
+    assert metrics["examples"] == trained["test_examples"] and metrics["skipped_files"] == 0
+    assert set(metrics["per_class"]) == {str(i) for i in range(10)}
+    for name in ("confusion_matrix.png", "reliability.png", "confusion_matrix.csv"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_job_reads_a_savedmodel_and_pretrained_weights(tmp_path):
+    from experiments import evaluate as job
+    from keras_vit.export import export_saved_model
+
+    model = randomize_weights(keras_vit.build_vit("testing", image_size=16, num_classes=10, patch_size=4,
+                                                  num_heads=2), scale=0.1)
+    export_saved_model(model, tmp_path / "saved")
+    keras_vit.save_npz(model, tmp_path / "weights.npz")
+    images = random_images((4, 16, 16, 3)).astype(np.uint8)
+    np.testing.assert_allclose(job.load_model(str(tmp_path / "saved")).predict(images, verbose=0),
+                               model.predict(images, verbose=0), atol=1e-5)
+    # An original .npz is read as the original code computes it (tanh GELU): close, not equal.
+    pretrained = job.load_model(str(tmp_path / "weights.npz"))
+    assert pretrained.get_layer("encoderblock_0").gelu == "tanh"
+    data, names, what, _ = job.evaluation_data(pretrained, "digits", "test")
+    assert data[0].shape[1:] == (16, 16, 3) and names == [str(i) for i in range(10)] and "test" in what
