@@ -192,8 +192,9 @@ def confusion_figure(confusion, class_names):
 
 
 def reliability_diagram(bins, ece=None):
-    """A matplotlib reliability diagram: each bin's accuracy against its confidence range, the diagonal of
-    perfect calibration, and the share of predictions in each bin below."""
+    """A matplotlib reliability diagram: each bin's accuracy against its confidence range, hatched from there to
+    the bin's mean confidence, the diagonal of perfect calibration, and the share of predictions in each bin
+    below."""
     from keras_vit.visualize.figures import pyplot
 
     plt = pyplot()
@@ -205,8 +206,10 @@ def reliability_diagram(bins, ece=None):
     counts = np.array([b["count"] for b in bins], np.float64)
     filled = counts > 0
     top.bar(lower[filled], accuracy[filled], width=width[filled], align="edge", edgecolor="black", label="accuracy")
-    top.bar(lower[filled], (confidence - accuracy)[filled], bottom=accuracy[filled], width=width[filled],
-            align="edge", color="tab:red", alpha=0.3, label="gap to confidence")
+    # The gap from each bin's accuracy to its mean confidence, above (over-confident) or below it.
+    top.bar(lower[filled], np.abs(confidence - accuracy)[filled], bottom=np.minimum(confidence, accuracy)[filled],
+            width=width[filled], align="edge", facecolor="none", edgecolor="tab:red", hatch="//",
+            label="gap to the mean confidence")
     top.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
     top.set_ylabel("accuracy")
     top.set_xlim(0, 1)

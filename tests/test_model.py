@@ -473,3 +473,30 @@ def test_pre_norm_and_pooled_norm_move_the_layer_norms():
     features = numpy_vit.layer_norm(output_of("encoderblock_1").mean(axis=1), pooled.gamma.numpy(), pooled.beta.numpy())
     expected = features @ head.kernel.numpy() + head.bias.numpy()
     np.testing.assert_allclose(model.predict(images, verbose=0), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_frozen_backbone_gives_the_same_features_in_fit_as_in_predict():
+    """freeze_backbone: dropout and stochastic depth off in the frozen layers (training=True is inference
+    there); unfrozen, the same model's training features differ (the check can fail)."""
+    model = randomize_weights(keras_vit.build_vit(
+        "testing", image_size=16, num_classes=3, patch_size=4, num_heads=2, num_layers=2, classifier="map",
+        dropout_rate=0.3, attention_dropout_rate=0.3, stochastic_depth_rate=0.5), scale=0.1)
+    backbone = keras_vit.replace_head(model, None)
+    images = random_images((8, 16, 16, 3))
+    inference = keras.ops.convert_to_numpy(backbone(images, training=False))
+    assert np.abs(keras.ops.convert_to_numpy(backbone(images, training=True)) - inference).max() > 1e-3
+    keras_vit.freeze_backbone(model)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(backbone(images, training=True)), inference)
+    # In fit: the head's gradient step sees the inference features, and only the head changes.
+    features = []
+
+    class Features(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            features.append(keras.ops.convert_to_numpy(backbone(images, training=True)))
+
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    model.fit(images, np.arange(8) % 3, epochs=2, batch_size=4, verbose=0, callbacks=[Features()])
+    for seen in features:
+        np.testing.assert_array_equal(seen, inference)
+    keras_vit.freeze_backbone(model, trainable=True)
+    assert np.abs(keras.ops.convert_to_numpy(backbone(images, training=True)) - inference).max() > 1e-3

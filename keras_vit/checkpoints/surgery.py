@@ -111,7 +111,11 @@ def replace_head(model, num_classes, *, name=None):
 def freeze_backbone(model, trainable=False):
     """Freezes (or unfreezes) every layer but the head: a linear probe.
 
-    Recompile the model after calling this for the change to take effect.
+    The frozen layers also run in inference mode, in `fit` as in `predict`:
+    no dropout, no stochastic depth (as Keras' transfer-learning guide runs
+    a frozen base with `training=False`), so the head trains on the
+    features it will be evaluated on.  Recompile the model after calling
+    this for the change to take effect.
     """
     for layer in model.layers:
         if layer.name != "head":

@@ -66,6 +66,8 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         self.attention_dropout = Dropout(self.dropout_rate, seed=self.seed, name="attention_dropout")
 
     def call(self, inputs, training=None, return_attention_scores=False):
+        if not self.trainable:  # Frozen: inference mode, no attention dropout.
+            training = False
         qkv = kernels.dense(inputs, self.qkv_kernel, self.qkv_bias)
         attended = kernels.attention(
             qkv,

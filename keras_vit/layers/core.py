@@ -59,6 +59,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
     """
 
     def call(self, inputs, training=None):
+        training = training and self.trainable  # Frozen: the inference kernel.
         last_axis = tuple(self.axis) in ((-1,), (len(inputs.shape) - 1,))
         if not (last_axis and self.center and self.scale) or self.rms_scaling:
             return super().call(inputs)
@@ -67,7 +68,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
 
 @register
 class Dropout(keras.layers.Dropout):
-    """`keras.layers.Dropout` computed by `kernels.dropout`.
+    """`keras.layers.Dropout` computed by `kernels.dropout`; frozen (`trainable=False`), it drops nothing.
 
     >>> layer = Dropout(0.5, seed=0)
     >>> bool(keras.ops.all(layer(keras.ops.ones((2, 3)), training=False) == 1.0))
@@ -75,6 +76,7 @@ class Dropout(keras.layers.Dropout):
     """
 
     def call(self, inputs, training=False):
-        if training and self.rate > 0:
+        # A frozen layer runs in inference mode, as Keras' transfer-learning guide runs a frozen base.
+        if training and self.rate > 0 and self.trainable:
             return kernels.dropout(inputs, self.rate, self.seed_generator, self.noise_shape)
         return inputs

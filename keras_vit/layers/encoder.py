@@ -86,6 +86,8 @@ class TransformerBlock(keras.layers.Layer):
             layer.build(shape)
 
     def call(self, inputs, training=None, return_attention_scores=False):
+        if not self.trainable:  # Frozen: inference mode, no dropout and no stochastic depth.
+            training = False
         # Eq. 2: z' = MSA(LN(z)) + z.
         attended = self.attention(
             self.attention_norm(inputs, training=training),
@@ -229,6 +231,8 @@ class MAPHead(keras.layers.Layer):
         self.mlp_dense_2.build((input_shape[0], 1, self.mlp_dim))
 
     def call(self, tokens, training=None):
+        if not self.trainable:  # Frozen: inference mode.
+            training = False
         probe = ops.cast(self.probe, tokens.dtype)
         probe = ops.broadcast_to(probe, (ops.shape(tokens)[0], 1, tokens.shape[-1]))
         query = kernels.dense(probe, self.query_kernel, self.query_bias)  # (batch, 1, hidden)
