@@ -127,6 +127,7 @@ def check_config(config):
     _integer("shuffle_buffer", config.shuffle_buffer, 1)
     _integer("max_shift", config.max_shift, 0)
     _integer("visualize_images", config.visualize_images, 1)
+    _integer("tensorboard_figures", config.tensorboard_figures, 0)
     _check_augment(config.augment)
     _check_model(config)
     return config

@@ -235,6 +235,12 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
             best_path, monitor="val_accuracy", save_best_only=True,
             initial_value_threshold=best_logged(workdir, best_path),
         )]
+    epoch_figures = []  # After Throughput: their time is not the training's.
+    if dataset.validation is not None and config.tensorboard_figures:
+        epoch_figures = [evaluation.TensorBoardFigures(
+            tf.io.gfile.join(workdir, "tensorboard"), dataset.validation, class_names=dataset.class_names,
+            num_images=config.tensorboard_figures,
+        )]
     # The state of an interrupted run: a killed run started again with the same command resumes from its
     # newest usable backup (weights, optimizer and epoch together), losing at most `backup_every` steps.
     backup_dir = tf.io.gfile.join(workdir, "backup")
@@ -254,6 +260,7 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
             training.CSVLog(tf.io.gfile.join(workdir, "log.csv")),
             keras.callbacks.TensorBoard(tf.io.gfile.join(workdir, "tensorboard")),
             throughput,
+            *epoch_figures,
             *callbacks,
         ],
         verbose=config.verbose,  # 1: a progress bar, 2: a line per epoch (logs)

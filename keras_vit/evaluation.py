@@ -270,3 +270,77 @@ def evaluate(model, data, *, class_names=None, batch_size=64, strategy=None, top
     metrics = classification_report(logits, labels, class_names=names, top_k=top_k, num_bins=num_bins)
     metrics["images_per_second"] = len(labels) / seconds if seconds > 0 else None
     return Evaluation(metrics, names, np.asarray(logits), np.asarray(labels))
+
+
+def figure_to_image(figure):
+    """A matplotlib figure as a uint8 (H, W, 3) array (closed after drawing)."""
+    import io
+
+    from keras_vit.visualize.figures import pyplot
+
+    buffer = io.BytesIO()
+    try:
+        figure.savefig(buffer, format="png", dpi=80)
+    finally:
+        pyplot().close(figure)
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(buffer.getvalue())).convert("RGB"))
+
+
+def rollout_images(model, images):
+    """Each image beside itself weighted by the model's attention rollout (paper Figure 6): uint8
+    (N, H, 2W, 3)."""
+    from keras_vit.visualize import attention_rollout
+
+    images = np.asarray(images, np.float32)
+    maps = attention_rollout(model, images)[..., None]
+    weighted = images * (0.15 + 0.85 * maps)
+    return np.clip(np.concatenate([images, weighted], axis=2), 0, 255).astype(np.uint8)
+
+
+class TensorBoardFigures(keras.callbacks.Callback):
+    """Writes, each epoch, the validation confusion matrix and the attention rollout of a few fixed validation
+    images as TensorBoard images (`confusion_matrix`, `attention_rollout`), beside Keras' own scalars.
+
+    Args:
+        log_dir: the TensorBoard folder (local or gs://); the images go to its
+            `validation` run, where Keras' TensorBoard callback writes the
+            validation scalars.
+        validation_data: a `tf.data.Dataset` of (images, labels) batches,
+            labels integer or one-hot.
+        class_names: names of the classes, for the matrix's axes.
+        num_images: how many of the first validation images get a rollout
+            (0: none).
+        max_examples: at most this many validation examples are predicted
+            for the matrix (the first ones; the split is not shuffled).
+    """
+
+    def __init__(self, log_dir, validation_data, *, class_names=None, num_images=4, max_examples=2048):
+        super().__init__()
+        import tensorflow as tf
+
+        self.writer = tf.summary.create_file_writer(tf.io.gfile.join(str(log_dir), "validation"))
+        batch = validation_data.element_spec[0].shape[0]
+        batches = validation_data.take(-(-max_examples // batch) if batch else max_examples)
+        self.images = batches.map(lambda x, y: x)
+        labels = np.concatenate([np.asarray(y) for _, y in batches.as_numpy_iterator()])
+        self.labels = labels.argmax(-1) if labels.ndim == 2 else labels.astype(np.int64)
+        first = np.concatenate([np.asarray(x) for x, _ in batches.take(-(-num_images // max(batch or 1, 1)))
+                                .as_numpy_iterator()]) if num_images else np.zeros((0,))
+        self.rollout_inputs = first[:num_images]
+        self.class_names = class_names
+
+    def on_epoch_end(self, epoch, logs=None):
+        import tensorflow as tf
+
+        logits = self.model.predict(self.images, verbose=0)
+        names = self.class_names or [str(i) for i in range(logits.shape[-1])]
+        report = classification_report(logits, self.labels, class_names=names)
+        images = [figure_to_image(confusion_figure(report["confusion_matrix"], names))]
+        with self.writer.as_default():
+            tf.summary.image("confusion_matrix", np.stack(images), step=epoch)
+            if len(self.rollout_inputs):
+                tf.summary.image("attention_rollout", rollout_images(self.model, self.rollout_inputs), step=epoch,
+                                 max_outputs=len(self.rollout_inputs))
+        self.writer.flush()

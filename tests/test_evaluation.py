@@ -125,6 +125,10 @@ def test_the_job_evaluates_the_main_jobs_model_as_the_training_job_did(digits_ma
     assert set(metrics["per_class"]) == {str(i) for i in range(10)}
     for name in ("confusion_matrix.png", "reliability.png", "confusion_matrix.csv"):
         assert (tmp_path / name).stat().st_size > 0
+    # On by default: TensorBoard has each epoch's validation confusion matrix and 4 rollouts.
+    found = tensorboard_images(workdir / "tensorboard" / "validation")
+    assert [step for step, _ in found["confusion_matrix"]] == list(range(trained["epochs"]))
+    assert {count for _, count in found["attention_rollout"]} == {4}
 
 
 @pytest.mark.slow
@@ -144,3 +148,41 @@ def test_the_job_reads_a_savedmodel_and_pretrained_weights(tmp_path):
     assert pretrained.get_layer("encoderblock_0").gelu == "tanh"
     data, names, what, _ = job.evaluation_data(pretrained, "digits", "test")
     assert data[0].shape[1:] == (16, 16, 3) and names == [str(i) for i in range(10)] and "test" in what
+
+
+def tensorboard_images(folder):
+    """{tag: [(step, number of images)]} of the image summaries in the event files under `folder`."""
+    import glob
+
+    import tensorflow as tf
+
+    found = {}
+    for path in sorted(glob.glob(f"{folder}/**/events.out.tfevents.*", recursive=True)):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "images":
+                    pngs = value.tensor.string_val[2:]  # width, height, then the PNGs
+                    assert all(tf.io.decode_png(png).shape[0] > 10 for png in pngs)
+                    found.setdefault(value.tag, []).append((event.step, len(pngs)))
+    return found
+
+
+def test_tensorboard_gets_the_confusion_matrix_and_rollouts_each_epoch(tmp_path):
+    import tensorflow as tf
+
+    model = randomize_weights(keras_vit.build_vit("testing", image_size=16, num_classes=10, patch_size=4,
+                                                  num_heads=2), scale=0.1)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    images = random_images((96, 16, 16, 3)).astype(np.uint8)
+    labels = np.arange(96) % 10
+    validation = tf.data.Dataset.from_tensor_slices((images[:40], labels[:40])).batch(16)
+    figures = evaluation.TensorBoardFigures(tmp_path, validation, num_images=3)
+    np.testing.assert_array_equal(figures.labels, labels[:40])
+    model.fit(images, labels, epochs=2, batch_size=32, validation_data=validation, callbacks=[figures], verbose=0)
+    found = tensorboard_images(tmp_path / "validation")
+    assert found == {"confusion_matrix": [(0, 1), (1, 1)], "attention_rollout": [(0, 3), (1, 3)]}
+    # Each rollout image is the image beside itself weighted by the rollout map.
+    side_by_side = evaluation.rollout_images(model, images[:3])
+    assert side_by_side.shape == (3, 16, 32, 3)
+    np.testing.assert_array_equal(side_by_side[:, :, :16], images[:3])
+    assert np.all(side_by_side[:, :, 16:] <= images[:3])

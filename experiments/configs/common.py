@@ -90,6 +90,9 @@ def get_base_config():
     config.precision = "float32"  # or "mixed_bfloat16", "mixed_float16".
     config.jit_compile = "auto"  # "on", "off"; see keras_vit.training.resolve_jit_compile.
     config.verbose = 2  # 1: progress bar, 2: a line per epoch.
+    # Each epoch, TensorBoard images of the validation confusion matrix and of the attention rollout of this
+    # many fixed validation images (keras_vit.evaluation.TensorBoardFigures); 0: neither.
+    config.tensorboard_figures = 4
 
     # === At the end ===
     # Exports into workdir/export, comma separated: saved_model, tflite,
