@@ -238,8 +238,7 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
     epoch_figures = []  # After Throughput: their time is not the training's.
     if dataset.validation is not None and config.tensorboard_figures:
         epoch_figures = [evaluation.TensorBoardFigures(
-            tf.io.gfile.join(workdir, "tensorboard"), dataset.validation, class_names=dataset.class_names,
-            num_images=config.tensorboard_figures,
+            tf.io.gfile.join(workdir, "tensorboard"), dataset.validation, num_images=config.tensorboard_figures,
         )]
     # The state of an interrupted run: a killed run started again with the same command resumes from its
     # newest usable backup (weights, optimizer and epoch together), losing at most `backup_every` steps.

@@ -25,6 +25,7 @@ from keras_vit.checkpoints import (
     save_transformers,
     set_image_size,
 )
+from keras_vit.evaluation import TensorBoardFigures, evaluate
 from keras_vit.flops import count_flops
 from keras_vit.layers import (
     MAPHead,
@@ -60,6 +61,7 @@ __all__ = [
     "ResNetStem",
     "SGD",
     "StandardizedConv2D",
+    "TensorBoardFigures",
     "TokenPooling",
     "TransformerBlock",
     "VARIANTS",
@@ -69,6 +71,7 @@ __all__ = [
     "check_model_parallel",
     "count_flops",
     "enable_batch_mixing",
+    "evaluate",
     "freeze_backbone",
     "from_pretrained",
     "get_layout_map",
