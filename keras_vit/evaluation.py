@@ -53,6 +53,22 @@ def expected_calibration_error(probabilities, labels, num_bins=15):
     return float(ece), bins
 
 
+def confusion_matrix(labels, predictions, num_classes):
+    """int64 (num_classes, num_classes) counts: rows the true class, columns the predicted one (scikit-learn's
+    layout)."""
+    confusion = np.zeros((num_classes, num_classes), np.int64)
+    np.add.at(confusion, (np.asarray(labels), np.asarray(predictions)), 1)
+    return confusion
+
+
+def row_rates(confusion):
+    """The confusion matrix with each row divided by its class's count (0 for a class with none): the recall on
+    the diagonal."""
+    confusion = np.asarray(confusion, np.float64)
+    support = confusion.sum(axis=1, keepdims=True)
+    return np.divide(confusion, support, out=np.zeros_like(confusion), where=support > 0)
+
+
 def classification_report(logits, labels, *, class_names=None, top_k=5, num_bins=15):
     """The metrics of logits (N, classes) against integer labels (N,); see the module's docstring.
 
@@ -77,9 +93,7 @@ def classification_report(logits, labels, *, class_names=None, top_k=5, num_bins
         raise ValueError(f"{len(names)} class names for {num_classes} classes.")
     k = min(top_k, num_classes)
     probabilities = keras.ops.convert_to_numpy(keras.ops.softmax(logits, axis=-1)).astype(np.float64)
-    predictions = logits.argmax(axis=-1)
-    confusion = np.zeros((num_classes, num_classes), np.int64)
-    np.add.at(confusion, (labels, predictions), 1)
+    confusion = confusion_matrix(labels, logits.argmax(axis=-1), num_classes)
     true_positives = np.diag(confusion).astype(np.float64)
     predicted, support = confusion.sum(axis=0), confusion.sum(axis=1)
     # 0 where nothing was predicted (or present), as scikit-learn's zero_division=0.
@@ -166,9 +180,8 @@ def confusion_figure(confusion, class_names):
     from keras_vit.visualize.figures import pyplot
 
     plt = pyplot()
-    confusion = np.asarray(confusion, np.float64)
-    support = confusion.sum(axis=1, keepdims=True)
-    rates = np.divide(confusion, support, out=np.zeros_like(confusion), where=support > 0)
+    confusion = np.asarray(confusion)
+    rates = row_rates(confusion)
     n = len(class_names)
     side = min(4 + 0.35 * n, 24)
     figure, axis = plt.subplots(figsize=(side, side))
@@ -278,10 +291,8 @@ def confusion_image(confusion, size=256):
     millisecond, for every epoch."""
     from matplotlib import colormaps
 
-    confusion = np.asarray(confusion, np.float64)
-    support = confusion.sum(axis=1, keepdims=True)
-    rates = np.divide(confusion, support, out=np.zeros_like(confusion), where=support > 0)
-    cell = max(1, size // len(confusion))
+    rates = row_rates(confusion)
+    cell = max(1, size // len(rates))
     colours = colormaps["Blues"](rates)[..., :3]
     return (np.repeat(np.repeat(colours, cell, axis=0), cell, axis=1) * 255).round().astype(np.uint8)
 
@@ -343,8 +354,7 @@ class TensorBoardFigures(keras.callbacks.Callback):
         if self.writer is None:
             self._prepare()
         logits = self.model.predict(self.images, verbose=0)
-        confusion = np.zeros((logits.shape[-1],) * 2, np.int64)
-        np.add.at(confusion, (self.labels, logits.argmax(axis=-1)), 1)
+        confusion = confusion_matrix(self.labels, logits.argmax(axis=-1), logits.shape[-1])
         with self.writer.as_default():
             tf.summary.image("confusion_matrix", confusion_image(confusion)[None], step=epoch)
             if len(self.rollout_inputs):

@@ -56,21 +56,20 @@ def resize_and_crop(image, preprocessing):
         size = tf.stack([tf.maximum(new_h, resize_h), tf.maximum(new_w, resize_w)])
     else:
         size = tf.constant([resize_h, resize_w], tf.int64)
-    method = preprocessing.resize_method
+    # The sizes in int64 above (width x height products), int32 for the ops below.
     size = tf.cast(size, tf.int32)
+    method = preprocessing.resize_method
     # As Pillow: the width first, rounded to uint8, then the height (its two passes, within one level).
     resized = image
     for pass_size in (tf.stack([tf.shape(image)[0], size[1]]), size):
         resized = tf.image.resize(resized, pass_size, method=method, antialias=method != "nearest")
         resized = tf.clip_by_value(tf.round(resized), 0, 255)
     resized = tf.cast(resized, tf.uint8)
-    size = tf.cast(size, tf.int64)
     margins = size - [height, width]
     if preprocessing.crop_offset == "floor":
         offsets = margins // 2
     else:
-        offsets = tf.cast(tf.round(tf.cast(margins, tf.float64) / 2), tf.int64)
-    offsets = tf.cast(offsets, tf.int32)
+        offsets = tf.cast(tf.round(tf.cast(margins, tf.float64) / 2), tf.int32)
     return tf.image.crop_to_bounding_box(resized, offsets[0], offsets[1], height, width)
 
 

@@ -250,34 +250,37 @@ class PatchEncoder(keras.layers.Layer):
             self.position_embedding = np.pad(fixed, ((int(self.use_class_token), 0), (0, 0)))[None]
 
     def call(self, images):
-        if self.base_image_size is not None:
-            return self._call_any_size(images)
-        expected = (*(g * p for g, p in zip(self.grid_size, self.patch_size)), self.kernel.shape[2])
-        if tuple(images.shape[1:]) != expected:
-            raise ValueError(
-                f"PatchEncoder {self.name!r} expects images of shape (batch, {expected[0]}, "
-                f"{expected[1]}, {expected[2]}) (height, width, channels). Received: images "
-                f"of shape {tuple(images.shape)}"
-            )
+        if self.base_image_size is None:
+            expected = (*(g * p for g, p in zip(self.grid_size, self.patch_size)), self.kernel.shape[2])
+            if tuple(images.shape[1:]) != expected:
+                raise ValueError(
+                    f"PatchEncoder {self.name!r} expects images of shape (batch, {expected[0]}, "
+                    f"{expected[1]}, {expected[2]}) (height, width, channels). Received: images "
+                    f"of shape {tuple(images.shape)}"
+                )
+            grid, positions = self.grid_size, self.position_embedding
+        else:
+            grid = self._input_grid(images)
+            positions = self._positions(*grid)
         # Weights are cast explicitly: under a mixed policy the variables are
         # float32 while the tokens are bfloat16/float16.
         kernel = ops.cast(self.kernel, self.compute_dtype)
         if self.projection == "conv":
             x = ops.conv(images, kernel, strides=self.patch_size, padding="valid")
-            x = ops.reshape(x, (-1, self.num_patches, self.hidden_dim))
+            x = ops.reshape(x, (-1, grid[0] * grid[1], self.hidden_dim))
         else:
-            x = extract_patches(images, self.patch_size, self.grid_size)
+            x = extract_patches(images, self.patch_size, grid)
             x = ops.matmul(x, ops.reshape(kernel, (-1, self.hidden_dim)))
         x = x + ops.cast(self.bias, self.compute_dtype)
         if self.use_class_token:
             class_token = ops.cast(self.class_token, self.compute_dtype)
             class_token = ops.broadcast_to(class_token, (ops.shape(x)[0], 1, self.hidden_dim))
             x = ops.concatenate([class_token, x], axis=1)
-        return x + ops.cast(self.position_embedding, self.compute_dtype)
+        return x + ops.cast(positions, self.compute_dtype)
 
-    def _call_any_size(self, images):
-        """`call` for images of any size (with `base_image_size`): the grid read from the input's shape."""
-        (ph, pw), channels = self.patch_size, self.kernel.shape[2]
+    def _input_grid(self, images):
+        """The patch grid of images of any size (with `base_image_size`), checked: read from their shape."""
+        channels = self.kernel.shape[2]
         if images.shape[-1] != channels:
             raise ValueError(
                 f"PatchEncoder {self.name!r} expects images with {channels} channels. Received: images of shape "
@@ -290,16 +293,11 @@ class PatchEncoder(keras.layers.Layer):
             f"{self.patch_size}",
         )
         shape = ops.shape(images)
-        height, width = shape[1], shape[2]
-        grid_h, grid_w = height // ph, width // pw
-        kernel = ops.cast(self.kernel, self.compute_dtype)
-        if self.projection == "conv":
-            x = ops.conv(images, kernel, strides=self.patch_size, padding="valid")
-            x = ops.reshape(x, (-1, grid_h * grid_w, self.hidden_dim))
-        else:
-            x = extract_patches(images, self.patch_size, (grid_h, grid_w))
-            x = ops.matmul(x, ops.reshape(kernel, (-1, self.hidden_dim)))
-        x = x + ops.cast(self.bias, self.compute_dtype)
+        return shape[1] // self.patch_size[0], shape[2] // self.patch_size[1]
+
+    def _positions(self, grid_h, grid_w):
+        """(1, tokens, hidden_dim) float32 position embeddings for a patch grid known when the graph runs:
+        learned ones resampled from the built grid (timm's resize), fixed ones computed for it."""
         prefix = int(self.use_class_token)
         if self.position_embedding_type == "learned":
             old_h, old_w = self.grid_size
@@ -312,12 +310,7 @@ class PatchEncoder(keras.layers.Layer):
         else:
             patches = sincos_position_embedding_in_graph(grid_h, grid_w, self.hidden_dim)[None]
             first = ops.zeros((1, prefix, self.hidden_dim), "float32")
-        if self.use_class_token:
-            class_token = ops.cast(self.class_token, self.compute_dtype)
-            class_token = ops.broadcast_to(class_token, (ops.shape(x)[0], 1, self.hidden_dim))
-            x = ops.concatenate([class_token, x], axis=1)
-            patches = ops.concatenate([first, patches], axis=1)
-        return x + ops.cast(patches, self.compute_dtype)
+        return ops.concatenate([first, patches], axis=1) if prefix else patches
 
     def compute_output_shape(self, input_shape):
         if self.base_image_size is not None:
