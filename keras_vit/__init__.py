@@ -41,7 +41,16 @@ from keras_vit.parallel import check_model_parallel, get_layout_map, make_distri
 from keras_vit.preprocessing import Preprocessing
 from keras_vit.pretrained import PretrainedError, from_pretrained
 from keras_vit.resnet import BottleneckUnit, ResNetStem, StandardizedConv2D
-from keras_vit.training import SGD, AdamW, WarmupLinearDecay, learning_rate_schedule, make_optimizer
+from keras_vit.train_step import enable_gradient_accumulation
+from keras_vit.training import (
+    SGD,
+    AdamW,
+    EMAWeights,
+    WarmupLinearDecay,
+    layer_decay_scales,
+    learning_rate_schedule,
+    make_optimizer,
+)
 from keras_vit.variants import HYBRIDS, MODEL_SIZES, VARIANTS, ViTConfig, parse_variant
 
 __version__ = "0.2.0"
@@ -71,6 +80,9 @@ __all__ = [
     "check_model_parallel",
     "count_flops",
     "enable_batch_mixing",
+    "enable_gradient_accumulation",
+    "EMAWeights",
+    "layer_decay_scales",
     "evaluate",
     "freeze_backbone",
     "from_pretrained",

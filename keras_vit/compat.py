@@ -22,6 +22,12 @@ The entries, what each relies on, and who calls it:
   `_backend_update_step`, `_all_reduce_sum_gradients`,
   `_distributed_tf_update_step` and `_distribution_strategy`, and
   tf.__internal__.distribute.interim.maybe_merge_call; keras_vit.training.
+- `LearningRateScales`: the optimizer's `_get_variable_index`,
+  `_trainable_variables`, `_use_weight_decay` and `_apply_weight_decay`;
+  keras_vit.training (layer-wise learning-rate decay).
+- `swap_moving_average(optimizer)`: the optimizer's `_trainable_variables` and
+  `_model_variables_moving_average` (its `use_ema` averages);
+  keras_vit.training.EMAWeights.
 - `patch_keras_for_multi_worker_fit()`: keras.src.backend.tensorflow.trainer
   (`TensorFlowTrainer._maybe_symbolic_build`, `reduce_per_replica`,
   `_collective_all_reduce_multi_worker`, `_is_per_replica_instance`);
@@ -61,6 +67,8 @@ ENTRIES = (
     "convert_variables_to_constants",
     "grappler_op_types",
     "ClipAfterAllReduce",
+    "LearningRateScales",
+    "swap_moving_average",
     "patch_keras_for_multi_worker_fit",
 )
 
@@ -392,6 +400,124 @@ class ClipAfterAllReduce:
         )
 
 
+# === Per-variable learning rates (layer-wise decay) ===
+
+_SCALE_METHODS = {
+    "_get_variable_index": ("self", "variable"),
+    "_use_weight_decay": ("self", "variable"),
+    "_apply_weight_decay": ("self", "variables"),
+    "update_step": ("self", "gradient", "variable", "learning_rate"),
+}
+
+
+def _base_optimizer_problems(methods, attributes):
+    problems = []
+    for name, expected in methods.items():
+        problems += _function_problems("keras.optimizers", f"Optimizer.{name}", expected, exact=True)
+    # Attributes set in `build`, seen by the names its code assigns.
+    built = set()
+    for cls in keras.optimizers.Optimizer.__mro__:
+        built |= _names_used(cls.__dict__.get("build"))
+    problems += [f"keras.optimizers.Optimizer.build no longer sets `{name}`" for name in attributes - built]
+    return problems
+
+
+def _scale_problems():
+    return _base_optimizer_problems(_SCALE_METHODS, {"_trainable_variables"})
+
+
+class LearningRateScales:
+    """Mixin for Keras optimizers: each variable's learning rate multiplied by its own factor.
+
+    `learning_rate_scales` maps variable paths (`variable.path`) to factors;
+    a variable not named keeps the optimizer's rate.  The decoupled weight
+    decay of a variable (AdamW's) is scaled with its rate, as in PyTorch's
+    parameter groups: it is applied in `update_step`, just before the
+    variable's update, with the scaled rate, instead of in Keras'
+    `_apply_weight_decay` for all variables at the one rate.  Without scales
+    the optimizer is Keras' own.
+
+    Written for Keras 3.15 with TensorFlow 2.21.  `update_step(gradient,
+    variable, learning_rate)` is the documented method to override, but it
+    receives the variable (under a `tf.distribute` strategy, one replica's
+    copy), not its name: the factor is found through the optimizer's private
+    `_get_variable_index(variable)` and `_trainable_variables` (which map a
+    replica's copy to the model's variable), the weight decay through its
+    private `_use_weight_decay(variable)` and `_apply_weight_decay(variables)`.
+    No public hook takes a per-variable rate.  An optimizer made with scales
+    raises PrivateApiError when those APIs changed.
+    """
+
+    def __init__(self, *args, learning_rate_scales=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        scales = {str(path): float(scale) for path, scale in (learning_rate_scales or {}).items()}
+        bad = {path: scale for path, scale in scales.items() if not scale >= 0}
+        if bad:
+            raise ValueError(f"Learning-rate scales must be >= 0. Received: {bad}")
+        if scales:
+            _require("LearningRateScales")
+        self._scale_items = tuple(sorted(scales.items()))
+
+    @property
+    def learning_rate_scales(self):
+        return dict(self._scale_items)
+
+    def _scale_of(self, variable):
+        model_variable = self._trainable_variables[self._get_variable_index(variable)]
+        return self.learning_rate_scales.get(model_variable.path, 1.0)
+
+    def _apply_weight_decay(self, variables):
+        if not self._scale_items:
+            super()._apply_weight_decay(variables)
+        # Otherwise in update_step, at each variable's own rate.
+
+    def update_step(self, gradient, variable, learning_rate):
+        if not self._scale_items:
+            return super().update_step(gradient, variable, learning_rate)
+        scale = self._scale_of(variable)
+        learning_rate = keras.ops.multiply(keras.ops.cast(learning_rate, variable.dtype), scale)
+        if self.weight_decay is not None and self._use_weight_decay(variable):
+            self.assign_sub(variable, variable * keras.ops.cast(self.weight_decay, variable.dtype) * learning_rate)
+        return super().update_step(gradient, variable, learning_rate)
+
+    def get_config(self):
+        return {**super().get_config(), "learning_rate_scales": self.learning_rate_scales}
+
+
+# === The moving average of the weights (use_ema), in and out of the model ===
+
+
+def _ema_problems():
+    return _base_optimizer_problems({}, {"_trainable_variables", "_model_variables_moving_average"})
+
+
+def swap_moving_average(optimizer):
+    """Exchanges the values of the model's trainable variables and of `optimizer`'s moving average of them
+    (an optimizer made with `use_ema=True`, or a `LossScaleOptimizer` around one), exactly.
+
+    Written for Keras 3.15 with TensorFlow 2.21.  Keras keeps the averages in
+    the optimizer's private `_model_variables_moving_average`, in the order
+    of its private `_trainable_variables`; no public API reads them.
+    (`keras.callbacks.SwapEMAWeights` swaps through them by addition and
+    subtraction, which changes the weights by rounding at every swap.)  Run
+    outside the training step: under a `tf.distribute` strategy, in its
+    cross-replica context, where each assignment reaches every replica's
+    copy.  Raises PrivateApiError when those attributes are gone.
+    """
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    if not getattr(optimizer, "use_ema", False):
+        raise ValueError(f"The optimizer keeps no moving average (use_ema=False): {type(optimizer).__name__}.")
+    if not optimizer.built:
+        return  # Nothing trained yet: no average.
+    _require("swap_moving_average")
+    for variable, average in zip(optimizer._trainable_variables, optimizer._model_variables_moving_average):
+        if average is None:
+            continue
+        current = keras.ops.copy(variable.value)
+        variable.assign(average.value)
+        average.assign(current)
+
+
 # === model.fit under MultiWorkerMirroredStrategy ===
 
 _TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
@@ -537,5 +663,7 @@ _CHECKS = {
         _function_problems, *_OPTIMIZE_GRAPH, ("config_proto", "metagraph", "verbose")
     ),
     "ClipAfterAllReduce": _optimizer_problems,
+    "LearningRateScales": _scale_problems,
+    "swap_moving_average": _ema_problems,
     "patch_keras_for_multi_worker_fit": _trainer_problems,
 }

@@ -300,34 +300,30 @@ def enable_batch_mixing(model, mixup_alpha=0.0, cutmix_alpha=0.0, switch_prob=0.
         The `BatchMixer`.
     """
     mixer = BatchMixer(mixup_alpha, cutmix_alpha, switch_prob, seed)
-    backend = keras.backend.backend()
-    if backend == "jax" and keras.config.is_nnx_enabled():
-        raise ValueError(
-            "enable_batch_mixing does not support Keras' Flax NNX mode, whose `fit` calls the class's "
-            "train_step, not the model's."
-        )
-    dtype = _input_dtype(model)
+    from keras_vit import train_step
+
+    setattr(model, train_step._MIXER, mixer)
+    train_step.install(model)  # With gradient accumulation, the whole batch is mixed, then split.
+    return mixer
+
+
+def mixing_step(mixer, inner_step, *, jax=False):
+    """A training step `(model, data)` (JAX: `(model, state, data)`) that mixes the batch, then runs
+    `inner_step` with the same arguments on the mixed batch."""
     unpack, pack = keras.utils.unpack_x_y_sample_weight, keras.utils.pack_x_y_sample_weight
-    model_step = type(model).train_step  # The class's: enabling twice does not mix twice.
 
-    def train_step(data):
+    def train_step(model, data):
         x, y, sample_weight = unpack(data)
-        x, y = mixer(x, y, model.optimizer.iterations, dtype=dtype)
-        return model_step(model, pack(x, y, sample_weight))
+        x, y = mixer(x, y, model.optimizer.iterations, dtype=_input_dtype(model))
+        return inner_step(model, pack(x, y, sample_weight))
 
-    def jax_train_step(state, data):
+    def jax_train_step(model, state, data):
         # The JAX trainer's step is a pure function of `state`: the step
         # counter is read from the optimizer's values in it.
         x, y, sample_weight = unpack(data)
         step = _step_value(model.optimizer, state[2])
         groups = _data_shards(tuple(x.shape)) if hasattr(x, "shape") else 1
-        x, y = mixer(x, y, step, dtype=dtype, groups=groups)
-        return model_step(model, state, pack(x, y, sample_weight))
+        x, y = mixer(x, y, step, dtype=_input_dtype(model), groups=groups)
+        return inner_step(model, state, pack(x, y, sample_weight))
 
-    if "train_step" in vars(model):
-        del model.train_step
-    if mixer.enabled:
-        model.train_step = jax_train_step if backend == "jax" else train_step
-    # A step already built (by an earlier `fit`) is rebuilt with the new one.
-    model.train_function = None
-    return mixer
+    return jax_train_step if jax else train_step

@@ -19,7 +19,7 @@ can build, train and benchmark models without it installed.
 
 import keras
 
-from keras_vit.compat import ClipAfterAllReduce
+from keras_vit.compat import ClipAfterAllReduce, LearningRateScales, swap_moving_average
 from keras_vit.files import atomic_path, write_text_atomically
 from keras_vit.kernels import policy
 
@@ -28,13 +28,15 @@ DECAYS = ("cosine", "linear")
 
 
 @keras.saving.register_keras_serializable(package="keras_vit")
-class AdamW(ClipAfterAllReduce, keras.optimizers.AdamW):
-    """`keras.optimizers.AdamW` that clips the all-reduced gradient (see the module doc)."""
+class AdamW(ClipAfterAllReduce, LearningRateScales, keras.optimizers.AdamW):
+    """`keras.optimizers.AdamW` that clips the all-reduced gradient (see the module doc) and takes
+    `learning_rate_scales` (`layer_decay_scales`)."""
 
 
 @keras.saving.register_keras_serializable(package="keras_vit")
-class SGD(ClipAfterAllReduce, keras.optimizers.SGD):
-    """`keras.optimizers.SGD` that clips the all-reduced gradient (see the module doc)."""
+class SGD(ClipAfterAllReduce, LearningRateScales, keras.optimizers.SGD):
+    """`keras.optimizers.SGD` that clips the all-reduced gradient (see the module doc) and takes
+    `learning_rate_scales` (`layer_decay_scales`)."""
 
 
 def learning_rate_schedule(base_rate, total_steps, warmup_steps, decay="cosine"):
@@ -74,6 +76,41 @@ class WarmupLinearDecay(keras.optimizers.schedules.LearningRateSchedule):
         return {"base_rate": self.base_rate, "total_steps": self.total_steps, "warmup_steps": self.warmup_steps}
 
 
+def layer_decay_scales(model, decay):
+    """Layer-wise learning-rate decay (BEiT, Bao et al. 2021; timm's `--layer-decay`): `{variable.path: factor}`
+    for `model`'s trainable variables, for `learning_rate_scales`.
+
+    With L transformer blocks, the head (and everything after the last block:
+    the final norm, the pooling, the representation layer) trains at the base
+    rate, block i (0 .. L-1) at `decay ** (L - i)`, and the embeddings
+    (everything before the first block: the patch and position embeddings,
+    the class token, a hybrid's ResNet, `pre_norm`) at `decay ** (L + 1)`.
+    `model` is a ViT of `keras_vit.build_vit` (its layers in order, the blocks
+    `TransformerBlock`s).
+    """
+    from keras_vit.layers import TransformerBlock
+
+    if not 0 < decay <= 1:
+        raise ValueError(f"`decay` must be in (0, 1]. Received: decay={decay!r}")
+    layers = list(model.layers)
+    blocks = [layer for layer in layers if isinstance(layer, TransformerBlock)]
+    if not blocks:
+        raise ValueError(
+            f"Layer-wise decay needs a model whose layers include its TransformerBlocks (a build_vit model); "
+            f"{model.name!r} has none among {[layer.name for layer in layers][:10]}."
+        )
+    depth, first = len(blocks), layers.index(blocks[0])
+    scales = {}
+    for position, layer in enumerate(layers):
+        if isinstance(layer, TransformerBlock):
+            level = blocks.index(layer) + 1
+        else:
+            level = 0 if position < first else depth + 1
+        for variable in layer.trainable_weights:
+            scales[variable.path] = float(decay ** (depth + 1 - level))
+    return scales
+
+
 def make_optimizer(
     name,
     learning_rate,
@@ -83,21 +120,92 @@ def make_optimizer(
     weight_decay=0.0,
     decay="cosine",
     grad_clip_norm=1.0,
+    ema_momentum=0.0,
+    layer_decay=1.0,
+    model=None,
 ):
     """A paper recipe's optimizer: "adamw" (pre-training) or "sgd" (fine-tuning, momentum 0.9).
 
     `weight_decay` is decoupled (AdamW); SGD fine-tuning uses none, as in the paper.
+    `ema_momentum` > 0 keeps a moving average of the weights (Keras' `use_ema`:
+    `average = m * average + (1 - m) * weights` after every update; see
+    `EMAWeights`), as timm's `--model-ema` does.  `layer_decay` < 1 scales each
+    layer's rate (and weight decay) of `model` by `layer_decay_scales`.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"`optimizer` must be one of {OPTIMIZERS}. Received: optimizer={name!r}")
+    if not 0 <= ema_momentum < 1:
+        raise ValueError(f"`ema_momentum` must be in [0, 1) (0: no moving average). Received: {ema_momentum!r}")
+    options = {"global_clipnorm": grad_clip_norm}
+    if ema_momentum:
+        options.update(use_ema=True, ema_momentum=ema_momentum)
+    if layer_decay != 1:
+        if model is None:
+            raise ValueError("Layer-wise decay (layer_decay < 1) needs the model, to find its layers.")
+        options["learning_rate_scales"] = layer_decay_scales(model, layer_decay)
     schedule = learning_rate_schedule(learning_rate, total_steps, warmup_steps, decay)
     if name == "adamw":
-        return AdamW(schedule, weight_decay=weight_decay, global_clipnorm=grad_clip_norm)
+        return AdamW(schedule, weight_decay=weight_decay, **options)
     if weight_decay:
         raise ValueError(
             f"SGD fine-tuning uses no weight decay (paper, appendix B.1.1). Received: weight_decay={weight_decay}"
         )
-    return SGD(schedule, momentum=0.9, global_clipnorm=grad_clip_norm)
+    return SGD(schedule, momentum=0.9, **options)
+
+
+class EMAWeights(keras.callbacks.Callback):
+    """Puts the optimizer's moving average of the weights (`use_ema=True`) in the model where `fit` evaluates
+    and after each epoch, and the trained weights back before training goes on.
+
+    - Validation inside `fit` sees the average (swapped in at `on_test_begin`,
+      out at `on_test_end`).
+    - At the end of each epoch the average is swapped in by this callback and
+      out by `restorer()`, a second callback: the callbacks placed between
+      the two see the averaged model (a checkpoint of the best epoch, figures),
+      the ones before and after see the trained weights (a backup of the run's
+      state: weights and the average both, in their places).
+    - When `fit` returns, the model holds the average (Keras' own
+      `finalize_variable_values`), ready to evaluate, save and export.
+
+    The swaps exchange values exactly (`keras_vit.compat.swap_moving_average`),
+    so training goes on from the same weights as without them.
+
+        ema = EMAWeights()
+        model.fit(..., callbacks=[backup, ema, best_checkpoint, ema.restorer()])
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._in_model = False
+        self._restorer = _EMARestorer(self)
+
+    def restorer(self):
+        """The callback that puts the trained weights back at the end of an epoch: place it after the ones that
+        should see the average."""
+        return self._restorer
+
+    def _set(self, averaged):
+        if self._in_model != averaged:
+            swap_moving_average(self.model.optimizer)
+            self._in_model = averaged
+
+    def on_test_begin(self, logs=None):
+        self._set(True)
+
+    def on_test_end(self, logs=None):
+        self._set(False)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._set(True)
+
+
+class _EMARestorer(keras.callbacks.Callback):
+    def __init__(self, ema):
+        super().__init__()
+        self.ema = ema
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.ema._set(False)
 
 
 class CSVLog(keras.callbacks.Callback):
