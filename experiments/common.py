@@ -58,7 +58,8 @@ def make_optimizer(config, steps, warmup_steps, recipe=None, model=None):
 
     The optimizer, learning rate and weight decay are `recipe`'s (by default
     config's: a job with a second recipe, such as transfer's fine-tuning,
-    passes it); the decay and the gradient clipping are config's.  With
+    passes it); the decay, the gradient clipping, the moving average and the
+    layer-wise decay (of `model`) are config's.  With
     config.weight_decay_kernels_only, the weight decay reaches only the
     kernels of `model` (big_vision's default), not its biases, norms and
     embeddings.
@@ -72,6 +73,9 @@ def make_optimizer(config, steps, warmup_steps, recipe=None, model=None):
         weight_decay=recipe.weight_decay,
         decay=config.decay,
         grad_clip_norm=config.grad_clip_norm,
+        ema_momentum=config.get("ema_momentum", 0.0),
+        layer_decay=config.get("layer_decay", 1.0),
+        model=model,
     )
     if config.get("weight_decay_kernels_only") and recipe.weight_decay:
         if model is None:
@@ -188,6 +192,8 @@ def load_data(config, strategy=None):
     replicas` per replica.  The digits, in memory, stay one `tf.data.Dataset`
     that the strategy splits by example.
     """
+    # Evaluation batches: with gradient accumulation, the micro-batches (what the device was sized for).
+    eval_batch_size = config.batch_size // config.get("grad_accum_steps", 1)
     if config.dataset == "digits":
         digits = load_digits(config)
         pipeline = functools.partial(vit_data.make_pipeline, num_classes=digits.num_classes)
@@ -195,8 +201,8 @@ def load_data(config, strategy=None):
             train=pipeline(
                 digits.train, config.batch_size, training=True, seed=config.seed, max_shift=config.max_shift
             ),
-            validation=pipeline(digits.validation, config.batch_size, training=False) if digits.validation else None,
-            make_test=lambda: pipeline(digits.test, config.batch_size, training=False),
+            validation=pipeline(digits.validation, eval_batch_size, training=False) if digits.validation else None,
+            make_test=lambda: pipeline(digits.test, eval_batch_size, training=False),
             calibration=tf.data.Dataset.from_tensor_slices(digits.train.images),
             num_classes=digits.num_classes,
             class_names=digits.class_names,
@@ -240,10 +246,10 @@ def load_data(config, strategy=None):
         train=train,
         validation=(
             # Read every epoch: cached decoded with config.cache, as a small set affords.
-            pipeline(source.validation, batch_size=config.batch_size, training=False, cache=config.cache)
+            pipeline(source.validation, batch_size=eval_batch_size, training=False, cache=config.cache)
             if source.num_validation else None
         ),
-        make_test=lambda: pipeline(source.test, batch_size=config.batch_size, training=False),
+        make_test=lambda: pipeline(source.test, batch_size=eval_batch_size, training=False),
         calibration=pipeline(source.train, batch_size=1, training=False).map(lambda x, y: x[0]),
         num_classes=source.num_classes,
         class_names=source.class_names,
@@ -448,7 +454,7 @@ def train_runs(make_model, runs, test, *, config, steps, warmup_steps, batch_siz
         keras.utils.set_random_seed(seed)
         fresh = make_model()
         if model is None:
-            model = compile_model(fresh, config, make_optimizer(config, steps, warmup_steps, recipe))
+            model = compile_model(fresh, config, make_optimizer(config, steps, warmup_steps, recipe, model=fresh))
         else:
             # Weights, batch-norm statistics and the random generators' states (dropout).
             for variable, value in zip(model.variables, fresh.variables, strict=True):

@@ -105,6 +105,11 @@ def check_config(config):
     _integer("warmup_steps", config.warmup_steps, 0)
     _real("grad_clip_norm", config.grad_clip_norm, 0.0)
     _real("label_smoothing", config.label_smoothing, 0.0, 1.0, high_open=True)
+    _real("ema_momentum", config.ema_momentum, 0.0, 1.0, high_open=True)
+    _real("layer_decay", config.layer_decay, 0.0, 1.0, low_open=True)
+    _integer("grad_accum_steps", config.grad_accum_steps, 1)
+    if config.batch_size % config.grad_accum_steps:
+        _fail("grad_accum_steps", config.grad_accum_steps, f"a divisor of config.batch_size={config.batch_size}")
     _one_of("optimizer", config.optimizer, training.OPTIMIZERS)
     _one_of("decay", config.decay, training.DECAYS)
     _one_of("jit_compile", config.jit_compile, training.JIT_COMPILE)

@@ -224,9 +224,15 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
             switch_prob=config.augment.switch_prob,
             seed=config.seed,
         )
+        # Each batch as config.grad_accum_steps micro-batches, one update: the batch's (mixed whole, then split).
+        keras_vit.enable_gradient_accumulation(model, config.grad_accum_steps)
 
     # === Train: validated on the validation split, never the test split ===
     throughput = Throughput()
+    # With config.ema_momentum, the moving average is what is validated, checkpointed as best.keras and shown
+    # in the epoch's figures (the callbacks between `ema` and `ema.restorer()`); the backup keeps both.
+    ema = training.EMAWeights() if config.ema_momentum else None
+    averaged, restored = ([ema], [ema.restorer()]) if ema else ([], [])
     best_path = tf.io.gfile.join(workdir, "best.keras")
     selection = []
     if dataset.validation is not None:
@@ -255,17 +261,19 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
         callbacks=[
             backups.Backup(backup_dir, save_freq=config.backup_every),
             keras.callbacks.TerminateOnNaN(),
+            *averaged,
             *selection,
             training.CSVLog(tf.io.gfile.join(workdir, "log.csv")),
             keras.callbacks.TensorBoard(tf.io.gfile.join(workdir, "tensorboard")),
             throughput,
             *epoch_figures,
+            *restored,
             *callbacks,
         ],
         verbose=config.verbose,  # 1: a progress bar, 2: a line per epoch (logs)
     )
 
-    # === Evaluate (the test split, first read now) and save ===
+    # === Evaluate (the test split, first read now) and save: with config.ema_momentum, the moving average ===
     test_ds = dataset.make_test()
     # Top-1 and top-5, loss (without label smoothing), per-class figures, calibration: eval/ holds eval.json,
     # the confusion matrix (CSV, PNG) and the reliability diagram.

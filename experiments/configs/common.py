@@ -83,6 +83,16 @@ def get_base_config():
     config.decay = "cosine"  # or "linear"
     config.grad_clip_norm = 1.0
     config.label_smoothing = 0.0
+    # Fine-tuning tools (docs/fine_tuning.md). A moving average of the weights, `m * average + (1 - m) *
+    # weights` after every update, validated, kept as best.keras, evaluated and exported in their place
+    # (timm's --model-ema; 0: none, timm's default when on is 0.9998).
+    config.ema_momentum = 0.0
+    # Layer-wise learning-rate decay (BEiT, timm's --layer-decay): the head at the base rate, each block below
+    # it at `layer_decay` times the rate of the one above, the embeddings last; 1.0: one rate for all.
+    config.layer_decay = 1.0
+    # Gradient accumulation: each batch of batch_size (the update's batch, global) runs as this many
+    # micro-batches, one after the other, and updates once; the evaluation batches are micro-batches too.
+    config.grad_accum_steps = 1
 
     # === Execution ===
     config.steps_per_execution = 1  # > 1 keeps TPUs busy.

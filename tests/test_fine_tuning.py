@@ -1,0 +1,375 @@
+"""Gradient accumulation, the moving average of the weights (EMA) and layer-wise learning-rate decay:
+each against what it stands for (the large batch, a NumPy average, Keras' AdamW at the scaled rate),
+alone and together, with clipping, mixed precision, MixUp/CutMix, two replicas and a resumed run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_vit
+from keras_vit import backups, training
+from tests.conftest import ROOT
+from tests.test_backups import StopAfter
+from tests.test_mixing import run_child
+
+IMAGES = np.random.default_rng(0).integers(0, 256, size=(64, 16, 16, 3)).astype("uint8")
+LABELS = np.eye(4, dtype="float32")[np.arange(64) % 4]
+
+
+def make_model(*, ema_momentum=0.0, layer_decay=1.0, accumulation=1, mixup=0.0, cutmix=0.0, clip=0.05,
+               weight_decay=0.1, steps=100, jit_compile=False, seed=0):
+    """A small ViT compiled with the recipe's AdamW (tight clipping: it clips at every step)."""
+    keras.utils.set_random_seed(seed)
+    model = keras_vit.build_vit("testing", image_size=16, num_classes=4, head_kernel_initializer="glorot_uniform")
+    optimizer = training.make_optimizer(
+        "adamw", 1e-3, steps, 2, weight_decay=weight_decay, grad_clip_norm=clip,
+        ema_momentum=ema_momentum, layer_decay=layer_decay, model=model,
+    )
+    model.compile(optimizer, keras.losses.CategoricalCrossentropy(from_logits=True),
+                  metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")], jit_compile=jit_compile)  # fmt: skip
+    keras_vit.enable_batch_mixing(model, mixup_alpha=mixup, cutmix_alpha=cutmix, seed=seed)
+    keras_vit.enable_gradient_accumulation(model, accumulation)
+    return model
+
+
+def batches(batch_size):
+    return tf.data.Dataset.from_tensor_slices((IMAGES, LABELS)).batch(batch_size, drop_remainder=True)
+
+
+def weights(model):
+    return [w.numpy() for w in model.weights]
+
+
+def assert_same_weights(a, b, atol):
+    assert len(a) == len(b)
+    worst = max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+    assert worst <= atol, worst
+
+
+# === Gradient accumulation: the large batch's update ===
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_accumulated_micro_batches_make_the_large_batch_update(jit_compile):
+    large = make_model(mixup=0.8, cutmix=1.0, jit_compile=jit_compile)
+    large_history = large.fit(batches(16), epochs=2, verbose=0, shuffle=False).history
+    accumulated = make_model(mixup=0.8, cutmix=1.0, accumulation=4, jit_compile=jit_compile)
+    history = accumulated.fit(batches(16), epochs=2, verbose=0, shuffle=False).history
+    # One update per batch of 16: the same step count, schedule position and mixing draws.
+    assert int(accumulated.optimizer.iterations.numpy()) == int(large.optimizer.iterations.numpy()) == 8
+    assert_same_weights(weights(accumulated), weights(large), atol=2e-6)
+    # The logged loss and accuracy average every micro-batch: the large batch's figures.
+    np.testing.assert_allclose(history["loss"], large_history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history["accuracy"], large_history["accuracy"], rtol=1e-6)
+    # And it trained: not the initial weights.
+    assert_different = max(float(np.max(np.abs(x - y))) for x, y in zip(weights(large), weights(make_model())))
+    assert assert_different > 1e-3
+
+
+@pytest.mark.slow
+def test_accumulation_under_loss_scaling(policy):
+    policy("mixed_float16")  # Keras wraps the optimizer in a LossScaleOptimizer.
+    large, accumulated = make_model(), make_model(accumulation=2)
+    assert isinstance(accumulated.optimizer, keras.optimizers.LossScaleOptimizer)
+    large.fit(batches(16), epochs=4, verbose=0, shuffle=False)
+    accumulated.fit(batches(16), epochs=4, verbose=0, shuffle=False)
+    # The first steps overflow at the initial loss scale (2 ** 15) and are skipped, in both runs alike.
+    updates = int(accumulated.optimizer.iterations.numpy())
+    assert updates == int(large.optimizer.iterations.numpy()) and updates >= 4
+    # float16 activations: the micro-batches round otherwise than the large batch.
+    assert_same_weights(weights(accumulated), weights(large), atol=2e-3)
+
+
+def test_accumulation_refuses_what_it_cannot_split():
+    model = make_model(accumulation=3)
+    with pytest.raises(ValueError, match=r"multiple of 3\. Received a batch of 16"):
+        model.fit(batches(16), epochs=1, verbose=0)
+    for steps in (0, 1.5, True):
+        with pytest.raises(ValueError, match=r"`steps` must be an integer >= 1"):
+            keras_vit.enable_gradient_accumulation(model, steps)
+    keras_vit.enable_gradient_accumulation(model, 1)  # Off again: the class's own step.
+    assert "train_step" not in vars(model)
+
+
+# === The moving average ===
+
+
+class RecordTrained(keras.callbacks.Callback):
+    """The trained (not averaged) weights after every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps.append([w.numpy() for w in self.model.trainable_weights])
+
+
+class RecordEpochEnd(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append([w.numpy() for w in self.model.trainable_weights])
+
+
+@pytest.mark.slow
+def test_the_moving_average_is_validated_checkpointed_and_kept_and_training_is_unchanged():
+    momentum = 0.8
+    model = make_model(ema_momentum=momentum)
+    ema, trained, between, after = training.EMAWeights(), RecordTrained(), RecordEpochEnd(), RecordEpochEnd()
+    history = model.fit(batches(16), epochs=2, verbose=0, shuffle=False, validation_data=batches(32),
+                        callbacks=[ema, between, ema.restorer(), after, trained]).history  # fmt: skip
+    # The average of the trained weights, as Keras defines it: the first step's weights, then m * a + (1 - m) * w.
+    average = trained.steps[0]
+    for step in trained.steps[1:]:
+        average = [momentum * a + (1 - momentum) * w for a, w in zip(average, step)]
+    final = [w.numpy() for w in model.trainable_weights]
+    assert_same_weights(final, average, atol=1e-6)
+    # Callbacks between the two saw the average at the end of each epoch, the ones after the trained weights.
+    assert_same_weights(between.seen[-1], average, atol=1e-6)
+    assert_same_weights(after.seen[-1], trained.steps[-1], atol=0)
+    # Validation was of the averaged model.
+    x, y = next(iter(batches(32)))
+    expected = keras.losses.CategoricalCrossentropy(from_logits=True)(y, model(x)).numpy()
+    x2, y2 = list(batches(32))[1]
+    expected = (expected + keras.losses.CategoricalCrossentropy(from_logits=True)(y2, model(x2)).numpy()) / 2
+    assert history["val_loss"][-1] == pytest.approx(float(expected), rel=1e-5)
+    # The swaps are exact: the trained weights are those of a run that never swapped.
+    plain, plain_trained = make_model(ema_momentum=momentum), RecordTrained()
+    plain.fit(batches(16), epochs=2, verbose=0, shuffle=False, callbacks=[plain_trained])
+    assert_same_weights(trained.steps[-1], plain_trained.steps[-1], atol=0)
+
+
+# === Layer-wise learning-rate decay ===
+
+
+def test_layer_decay_scales_the_head_blocks_and_embeddings():
+    model = keras_vit.build_vit("testing", image_size=16, num_classes=4, classifier="token")
+    depth = sum(isinstance(layer, keras_vit.TransformerBlock) for layer in model.layers)
+    scales = keras_vit.layer_decay_scales(model, 0.5)
+    assert set(scales) == {w.path for w in model.trainable_weights}
+    by_layer = {}
+    for path, scale in scales.items():
+        by_layer.setdefault(path.split("/")[0], set()).add(scale)
+    assert by_layer["head"] == {1.0} and by_layer["encoder_norm"] == {1.0}
+    for i in range(depth):
+        assert by_layer[f"encoderblock_{i}"] == {0.5 ** (depth - i)}
+    assert by_layer["patch_encoder"] == {0.5 ** (depth + 1)}
+    with pytest.raises(ValueError, match=r"`decay` must be in \(0, 1\]"):
+        keras_vit.layer_decay_scales(model, 1.5)
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="TransformerBlocks"):
+        keras_vit.layer_decay_scales(plain, 0.5)
+
+
+def test_layer_decay_updates_each_variable_as_adamw_at_its_scaled_rate():
+    model = make_model(layer_decay=0.5, clip=None)
+    scales = model.optimizer.learning_rate_scales
+    x, y = next(iter(batches(16)))
+    with tf.GradientTape() as tape:
+        loss = model.compute_loss(x, y, model(tf.cast(x, "float32"), training=True))
+    grads = tape.gradient(loss, model.trainable_weights)
+    before = [w.numpy() for w in model.trainable_weights]
+    for _ in range(3):
+        model.optimizer.apply(grads, model.trainable_weights)
+    # Warm-up: each step has its own rate; the reference's schedule is the same one, scaled.
+    for variable, grad, start in zip(model.trainable_weights, grads, before):
+        reference_variable = keras.Variable(start)
+        reference = keras.optimizers.AdamW(
+            training.learning_rate_schedule(1e-3 * scales[variable.path], 100, 2), weight_decay=0.1
+        )
+        for _ in range(3):
+            reference.apply([grad], [reference_variable])
+        np.testing.assert_allclose(variable.numpy(), reference_variable.numpy(), atol=1e-7, err_msg=variable.path)
+
+
+def test_layer_decay_survives_save_and_load(tmp_path):
+    model = make_model(layer_decay=0.7, ema_momentum=0.9)
+    model.fit(batches(16), epochs=1, verbose=0)
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert loaded.optimizer.learning_rate_scales == model.optimizer.learning_rate_scales
+    assert loaded.optimizer.use_ema and loaded.optimizer.ema_momentum == 0.9
+
+
+def test_layer_decay_checks_the_private_apis_it_relies_on(monkeypatch):
+    from keras_vit import compat
+
+    monkeypatch.setitem(compat._SCALE_METHODS, "_no_such_method", ("self",))
+    assert training.AdamW(1e-3).learning_rate_scales == {}  # Without scales: Keras' own optimizer.
+    with pytest.raises(compat.PrivateApiError, match=r"LearningRateScales .*_no_such_method does not exist"):
+        training.AdamW(1e-3, learning_rate_scales={"head/kernel": 0.5})
+
+
+# === Together: a resumed run, two replicas ===
+
+
+ALL = dict(ema_momentum=0.9, layer_decay=0.75, accumulation=2, mixup=0.8, cutmix=1.0)
+
+
+def train(folder, stop=None, **options):
+    model = make_model(**options)
+    ema = training.EMAWeights()
+    initial_epoch = backups.restore_backup(model, folder)
+    callbacks = [backups.Backup(folder), ema, ema.restorer()] + ([StopAfter(stop)] if stop is not None else [])
+    model.fit(batches(16), epochs=3, initial_epoch=initial_epoch, verbose=0, shuffle=False,
+              validation_data=batches(32), callbacks=callbacks)  # fmt: skip
+    return model
+
+
+@pytest.mark.slow
+def test_a_resumed_run_with_everything_on_ends_as_the_uninterrupted_one(tmp_path):
+    uninterrupted = train(str(tmp_path / "a"), **ALL)
+    with pytest.raises(KeyboardInterrupt):
+        train(str(tmp_path / "b"), stop=0, **ALL)
+    resumed = train(str(tmp_path / "b"), **ALL)
+    assert int(resumed.optimizer.iterations.numpy()) == 12
+    assert_same_weights(weights(resumed), weights(uninterrupted), atol=1e-6)
+
+
+MIRRORED_SCRIPT = """
+import json, sys
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+from tests import test_fine_tuning as t
+from keras_vit import training
+keras.mixed_precision.set_global_policy(sys.argv[1])
+one_device = tf.distribute.OneDeviceStrategy("/cpu:0")
+mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+unmixed = dict(t.ALL, mixup=0.0, cutmix=0.0)
+results = {}
+for name, strategy, options in (
+    ("one_device", one_device, dict(unmixed, accumulation=1)),
+    ("mirrored", mirrored, unmixed),
+    # Each replica mixes its own share of the batch: with MixUp/CutMix, compared with two replicas.
+    ("mirrored_mixing", mirrored, dict(t.ALL, accumulation=1)),
+    ("mirrored_mixing_accumulating", mirrored, t.ALL),
+):
+    with strategy.scope():
+        model = t.make_model(**options)
+    ema = training.EMAWeights()
+    model.fit(t.batches(16), epochs=2, verbose=0, shuffle=False, validation_data=t.batches(32),
+              callbacks=[ema, ema.restorer()])
+    results[name] = [w.numpy().tolist() for w in model.weights]
+    results[name + "_steps"] = int(model.optimizer.iterations.numpy())
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["float32", "mixed_bfloat16"])
+def test_two_replicas_accumulating_make_the_large_batch_update(precision):
+    """EMA, layer decay, clipping and accumulation together: two replicas accumulating two micro-batches each
+    update as one device does with the whole batch, and with MixUp/CutMix as two replicas do without
+    accumulating."""
+    result = subprocess.run(
+        [sys.executable, "-c", MIRRORED_SCRIPT, precision], cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {results[k] for k in results if k.endswith("_steps")} == {8}
+    run = {k: [np.asarray(w) for w in v] for k, v in results.items() if not k.endswith("_steps")}
+    # bfloat16 activations: micro-batches of 4 round otherwise than batches of 8 or 16.
+    atol = 2e-6 if precision == "float32" else 5e-3
+    assert_same_weights(run["mirrored"], run["one_device"], atol)
+    assert_same_weights(run["mirrored_mixing_accumulating"], run["mirrored_mixing"], atol)
+
+
+@pytest.mark.slow
+def test_jax_accumulating_makes_the_large_batch_update_on_one_device_and_data_parallel():
+    result = run_child(
+        """
+        import jax, keras
+        import numpy as np
+        from keras_vit import training
+        from tests import test_fine_tuning as t
+        assert keras.backend.backend() == "jax" and len(jax.devices()) == 2
+        results = {}
+        for distribution in (None, keras.distribution.DataParallel()):
+            keras.distribution.set_distribution(distribution)
+            for steps in (1, 2):
+                model = t.make_model(**dict(t.ALL, accumulation=steps), jit_compile=True)
+                ema = training.EMAWeights()
+                model.fit(t.IMAGES, t.LABELS, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                          callbacks=[ema, ema.restorer()])
+                key = f"{'data_parallel' if distribution else 'one_device'}_{steps}"
+                results[key] = [np.asarray(w).tolist() for w in model.weights]
+                results[key + "_steps"] = int(np.asarray(model.optimizer.iterations))
+        print(json.dumps(results))
+        """,
+        env={"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    )
+    assert {result[k] for k in result if k.endswith("_steps")} == {8}
+    run = {k: [np.asarray(w) for w in v] for k, v in result.items() if not k.endswith("_steps")}
+    assert_same_weights(run["one_device_2"], run["one_device_1"], atol=2e-6)
+    # Data parallel: each device mixes and splits its own half of the batch.
+    assert_same_weights(run["data_parallel_2"], run["data_parallel_1"], atol=2e-6)
+
+
+# === The training job ===
+
+
+def job_config():
+    from tests.test_model_selection import tiny_digits_config
+
+    config = tiny_digits_config(epochs=2)
+    config.visualize, config.model.num_layers = False, 2
+    config.ema_momentum, config.layer_decay, config.grad_accum_steps = 0.9, 0.75, 2
+    config.augment.mixup_alpha = 0.8
+    return config
+
+
+@pytest.mark.slow
+@pytest.mark.slow
+def test_the_job_validates_keeps_and_reports_the_average_and_resumes_with_everything_on(tmp_path):
+    from experiments import train
+
+    config = job_config()
+    metrics = train.train_and_evaluate(config, str(tmp_path / "run"))
+    history = json.loads((tmp_path / "run" / "history.json").read_text())
+    # One update per batch of 64 (two micro-batches of 32 each).
+    assert metrics["steps"] == 2 * (1293 // 64)
+    # What was validated each epoch is what the job ends with and keeps as best.keras: the moving average.
+    assert metrics["validation_loss"] == pytest.approx(history["val_loss"][-1], rel=1e-5)
+    best_epoch = int(np.argmax(history["val_accuracy"]))  # The first of equals: saved on improvement only.
+    assert metrics["best_validation_loss"] == pytest.approx(history["val_loss"][best_epoch], rel=1e-5)
+    saved = keras.saving.load_model(tmp_path / "run" / "model.keras")
+    assert saved.optimizer.use_ema and set(saved.optimizer.learning_rate_scales.values()) == {
+        1.0, 0.75, 0.75**2, 0.75**3
+    }
+    # Killed after its first epoch and started again, the run finishes from its backup (the exact state of
+    # all three is test_a_resumed_run_with_everything_on_ends_as_the_uninterrupted_one's: the job's input
+    # pipeline starts its shuffling over, so the order of the examples differs after a restart).
+    with pytest.raises(KeyboardInterrupt):
+        train.train_and_evaluate(config, str(tmp_path / "resumed"), callbacks=[StopAfter(0)])
+    resumed = train.train_and_evaluate(config, str(tmp_path / "resumed"))
+    resumed_history = json.loads((tmp_path / "resumed" / "history.json").read_text())
+    assert resumed["steps"] == metrics["steps"] and len(resumed_history["val_accuracy"]) == 1
+    assert resumed["validation_loss"] == pytest.approx(resumed_history["val_loss"][-1], rel=1e-5)
+
+
+def test_the_config_fields_are_checked():
+    from experiments import config_checks
+
+    for field, value, expected in (
+        ("ema_momentum", 1.0, r"a number in \[0.0, 1.0\)"),
+        ("layer_decay", 0.0, r"a number in \(0.0, 1.0\]"),
+        ("grad_accum_steps", 0, "an integer >= 1"),
+        ("grad_accum_steps", 3, "a divisor of config.batch_size=64"),
+    ):
+        config = job_config()
+        config[field] = value
+        with pytest.raises(config_checks.ConfigError, match=rf"config.{field} must be {expected}"):
+            config_checks.check_config(config)
