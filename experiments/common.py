@@ -430,7 +430,36 @@ def accuracy(model, split, batch_size):
     return float(np.mean(np.argmax(logits, axis=-1) == split.labels))
 
 
-def train_runs(make_model, runs, test, *, config, steps, warmup_steps, batch_size, num_classes, recipe=None):
+class BestOnValidation(keras.callbacks.Callback):
+    """Early stopping for `train_runs`: the top-1 accuracy on `validation` after every epoch of `fit` (a
+    fixed number of steps); training stops after `patience` evaluations without improvement, and the
+    weights of the best evaluation (the earliest of equals) are put back at the end."""
+
+    def __init__(self, validation, batch_size, patience):
+        super().__init__()
+        self.validation, self.batch_size, self.patience = validation, batch_size, patience
+
+    def on_train_begin(self, logs=None):
+        self.best, self.best_step, self.best_weights, self.waited = -1.0, 0, None, 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        score = accuracy(self.model, self.validation, self.batch_size)
+        if score > self.best:
+            self.best, self.waited = score, 0
+            self.best_step = int(self.model.optimizer.iterations.numpy())
+            self.best_weights = self.model.get_weights()
+        else:
+            self.waited += 1
+            if self.waited >= self.patience:
+                self.model.stop_training = True
+
+    def on_train_end(self, logs=None):
+        if self.best_weights is not None:
+            self.model.set_weights(self.best_weights)
+
+
+def train_runs(make_model, runs, test, *, config, steps, warmup_steps, batch_size, num_classes, recipe=None,
+               validation=None, eval_every=100, patience=0):
     """Trains a model from `make_model()` for each (seed, training split) of `runs`; yields each result.
 
     Each run starts from the model `make_model()` builds after
@@ -439,11 +468,22 @@ def train_runs(make_model, runs, test, *, config, steps, warmup_steps, batch_siz
     for each later run, so that the training step is traced (and compiled by
     XLA) once for all the runs, not once per run.  Training draws batches of
     `batch_size` from the split, shuffled with `seed` and augmented with
-    config.max_shift, for `steps` steps; then the test split is evaluated
-    once.  Yields (model, result): the trained model, and a dict of
-    `test_accuracy`, `train_accuracy` (on the run's own training images,
-    unaugmented) and `seconds` (training and evaluation).
+    config.max_shift, for `steps` steps (the learning-rate schedule's
+    length); with a `validation` split and `patience` > 0, it is evaluated
+    there every `eval_every` steps and stops after `patience` evaluations
+    without improvement, keeping the best evaluation's weights
+    (`BestOnValidation`).  Then the test split is evaluated once.  Yields
+    (model, result): the trained model, and a dict of `test_accuracy`,
+    `train_accuracy` (on the run's own training images, unaugmented),
+    `steps` (trained), `best_step` and `validation_accuracy` (with early
+    stopping) and `seconds` (training and evaluation).
     """
+    stopping = validation is not None and patience > 0
+    if stopping and (eval_every < 1 or steps % eval_every):
+        raise ValueError(
+            f"Early stopping evaluates every `eval_every` steps, which must divide `steps`. Received: "
+            f"eval_every={eval_every}, steps={steps}"
+        )
     model = None
     for seed, train in runs:
         if batch_size > len(train):
@@ -465,11 +505,19 @@ def train_runs(make_model, runs, test, *, config, steps, warmup_steps, batch_siz
         batches = vit_data.make_pipeline(
             train, batch_size, training=True, num_classes=num_classes, seed=seed, max_shift=config.max_shift
         ).repeat()
-        model.fit(batches, epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0)
+        if stopping:
+            best = BestOnValidation(validation, batch_size, patience)
+            model.fit(batches, epochs=steps // eval_every, steps_per_epoch=eval_every, shuffle=False,
+                      verbose=0, callbacks=[best])  # fmt: skip
+        else:
+            model.fit(batches, epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0)
         result = {
             "test_accuracy": accuracy(model, test, batch_size),
             "train_accuracy": accuracy(model, train, batch_size),
+            "steps": int(model.optimizer.iterations.numpy()),
         }
+        if stopping:
+            result.update(best_step=best.best_step, validation_accuracy=best.best)
         result["seconds"] = time.perf_counter() - start
         yield model, result
 

@@ -2,25 +2,29 @@ r"""The ViT against a small ResNet as the training set grows.
 
     python -m experiments.scaling --workdir=runs/scaling
     python -m experiments.scaling --config=experiments/configs/scaling.py \
-        --config.seeds="(0, 1)" --config.steps=200 --workdir=runs/scaling
+        --config.seeds="(0, 1)" --config.steps=3000 --workdir=runs/scaling
 
 Both models are trained on growing stratified fractions of one training split
 (`config.fractions`, nested: each subset holds the smaller ones of its seed),
-with the same preprocessing, recipe and budget: `config.steps` optimizer
-steps of `config.batch_size` images whatever the subset's size, so each point
-costs the same compute and a small subset is seen over more epochs.  Every
-run is tested once, after its last step, on the whole held-out split, which
-never shrinks and chooses nothing (no early stopping, no best epoch).
+with the same preprocessing and recipe, each until it stops improving: its
+accuracy on a validation split held out of the training images (the same for
+every run) is measured every `config.eval_every` steps, and the run stops
+after `config.patience` measurements without improvement, keeping the
+weights of its best one, or at `config.steps`, where the cosine schedule
+reaches zero.  Every run is then tested once on the whole held-out test
+split, which never shrinks and chooses nothing.  With `config.patience=0`
+every run trains `config.steps` steps instead (a fixed budget).
 
 Writes into --workdir: `scaling.json` (the config, and per model and size
 the test accuracy of each seed, their mean and standard deviation, the
-accuracy on the run's own training images and its time), `scaling.md` (the
-table) and `scaling.png` (test accuracy against training-set size, log x,
-one standard deviation as error bars); prints the table and where the mean
-curves cross, or that they do not within the range.
+accuracy on the run's own training images, the steps trained and the best
+step, its time), `scaling.md` (the table) and `scaling.png` (test accuracy
+against training-set size, log x, one standard deviation as error bars);
+prints the table and where the mean curves cross, or that they do not within
+the range.
 
-The data in memory, the stratified subsets, the runs of a fixed budget and
-the outputs are `experiments.common`'s, shared with `experiments.transfer`.
+The data in memory, the stratified subsets, the runs and the outputs are
+`experiments.common`'s, shared with `experiments.transfer`.
 """
 
 import math
@@ -122,8 +126,10 @@ def run(config, workdir):
             "num_test": len(dataset.test),
             "num_classes": num_classes,
         },
+        "dataset_validation": len(dataset.validation) if dataset.validation is not None else 0,
         "budget": {
-            "steps": config.steps, "batch_size": config.batch_size, "examples_seen": config.steps * config.batch_size
+            "steps": config.steps, "batch_size": config.batch_size, "eval_every": config.eval_every,
+            "patience": config.patience,
         },
         "fractions": fractions,
         "sizes": sizes,
@@ -138,37 +144,50 @@ def run(config, workdir):
             common.train_runs(
                 make_model, runs, dataset.test, config=config, steps=config.steps,
                 warmup_steps=config.warmup_steps, batch_size=config.batch_size, num_classes=num_classes,
+                validation=dataset.validation, eval_every=config.eval_every, patience=config.patience,
             ),
         ):
             per_run.append(result)
             parameters = int(trained.count_params())
             print(
                 f"{name} {len(train)} examples, seed {seed}: test {result['test_accuracy']:.3f}, "
-                f"train {result['train_accuracy']:.3f} ({result['seconds']:.0f} s)",
+                f"train {result['train_accuracy']:.3f}, {result['steps']} steps "
+                + (f"(best {result['best_step']}) " if "best_step" in result else "")
+                + f"({result['seconds']:.0f} s)",
                 flush=True,
             )
         points = [per_run[i * len(seeds):(i + 1) * len(seeds)] for i in range(len(fractions))]
         results["models"][name] = {
             "parameters": parameters,
             "points": [
-                {"fraction": f, "size": size, "epochs": config.steps * config.batch_size / size}
-                | common.summarize(point)
+                {"fraction": f, "size": size} | common.summarize(point)
                 for f, size, point in zip(fractions, sizes, points)
             ],
         }
         keras.backend.clear_session()
+    return report(results, workdir)
+
+
+def report(results, workdir):
+    """Adds the crossings and the summary to `results` (what `run` trained, or a scaling.json read back),
+    writes scaling.json, .md and .png into `workdir`, prints the table; returns the results."""
+    sizes = results["sizes"]
     means = {name: [p["mean"] for p in model["points"]] for name, model in results["models"].items()}
     results["crossings"] = [{"size": s, "vit_ahead_after": ahead} for s, ahead in crossings(sizes, *means.values())]
     results["summary"] = describe_crossings(sizes, means)
 
-    header = ["training examples", "epochs"] + [
-        f"{name} ({model['parameters']:,} params)" for name, model in results["models"].items()
-    ]
-    rows = [
-        [size, f"{config.steps * config.batch_size / size:.0f}"]
-        + [f"{m['points'][i]['mean']:.3f} ± {m['points'][i]['std']:.3f}" for m in results["models"].values()]
-        for i, size in enumerate(sizes)
-    ]
+    # Each model's mean test accuracy ± std, and the steps its runs trained to their best weights (mean).
+    header = ["training examples"]
+    for name, model in results["models"].items():
+        header += [f"{name} ({model['parameters']:,} params)", f"{name} steps"]
+    rows = []
+    for i, size in enumerate(sizes):
+        row = [size]
+        for model in results["models"].values():
+            point = model["points"][i]
+            steps = point.get("best_step", point["steps"])
+            row += [f"{point['mean']:.3f} ± {point['std']:.3f}", f"{np.mean(steps):.0f}"]
+        rows.append(row)
     table = common.markdown_table(header, rows)
     paths = common.write_outputs(workdir, "scaling", results, table, plot(results))
     print(table)
@@ -185,8 +204,10 @@ def plot(results):
         {f"{name} ({m['parameters']:,} params)": m["points"] for name, m in results["models"].items()},
         xlabel="training examples (log scale)",
         ylabel=f"test accuracy ({results['dataset']['num_test']} images)",
-        title=f"{results['dataset']['name']}: {budget['steps']} steps of {budget['batch_size']}, "
-        f"mean ± std of {len(results['seeds'])} seeds",
+        title=f"{results['dataset']['name']}: "
+        + (f"each run until validation stops improving (at most {budget['steps']} steps of {budget['batch_size']})"
+           if budget["patience"] else f"{budget['steps']} steps of {budget['batch_size']}")
+        + f"\nmean ± std of {len(results['seeds'])} seeds",
         marks=[crossing["size"] for crossing in results["crossings"]],
     )
 

@@ -1,5 +1,6 @@
 """The paper's claims in miniature: experiments.scaling, experiments.transfer and the ResNet baseline."""
 
+import functools
 import json
 import math
 
@@ -76,10 +77,12 @@ def test_an_image_folder_is_read_into_memory_as_evaluation_images(tmp_path):
     config = scaling_config.get_config()
     config.dataset, config.image_size, config.test_fraction = f"folder:{root}", 8, 0.25
     dataset = common.load_in_memory(config)
-    assert (len(dataset.train), len(dataset.test), dataset.num_classes) == (9, 3, 3)
+    # The scaling config holds out 10% of the 9 training images for validation: one, drawn at random.
+    assert (len(dataset.train), len(dataset.validation), len(dataset.test), dataset.num_classes) == (8, 1, 3, 3)
     assert dataset.class_names == ["cat", "dog", "eel"]
-    assert dataset.train.images.shape == (9, 8, 8, 3) and dataset.train.images.dtype == np.uint8
-    assert np.bincount(dataset.train.labels).tolist() == [3, 3, 3] and dataset.test.labels.dtype == np.int32
+    assert dataset.train.images.shape == (8, 8, 8, 3) and dataset.train.images.dtype == np.uint8
+    assert np.bincount(np.concatenate([dataset.train.labels, dataset.validation.labels])).tolist() == [3, 3, 3]
+    assert dataset.test.labels.dtype == np.int32
     expected = {
         (label, vit_data.center_crop_resize(vit_data.decode_image(path.read_bytes()), (8, 8)).numpy().tobytes())
         for label, name in enumerate(dataset.class_names)
@@ -87,7 +90,7 @@ def test_an_image_folder_is_read_into_memory_as_evaluation_images(tmp_path):
     }
     loaded = {
         (int(label), image.tobytes())
-        for split in (dataset.train, dataset.test)
+        for split in (dataset.train, dataset.validation, dataset.test)
         for image, label in zip(split.images, split.labels)
     }
     assert loaded == expected
@@ -166,21 +169,28 @@ def check_point(point, seeds):
 @pytest.mark.slow
 def test_scaling_writes_its_json_table_and_figure(tmp_path):
     stdout = run_tiny(
-        "experiments.scaling", tmp_path, fractions=(0.05, 0.2), seeds=(3, 4), steps=2, batch_size=16, cnn__widths=(4, 8)
+        "experiments.scaling", tmp_path, fractions=(0.05, 0.2), seeds=(3, 4), steps=4, batch_size=16,
+        cnn__widths=(4, 8), eval_every=1, patience=2,
     )
     results = json.loads((tmp_path / "scaling.json").read_text())
-    digits = vit_data.load_digits(image_size=16)
+    # The subsets come from the training images less the validation split (10%, stratified) that stops each run.
+    digits = vit_data.load_digits(image_size=16, validation_fraction=0.1)
     counts = np.bincount(digits.train.labels)
-    assert results["sizes"] == [int(sum(max(1, round(f * n)) for n in counts)) for f in (0.05, 0.2)] == [70, 287]
+    sizes = [int(sum(max(1, round(f * n)) for n in counts)) for f in (0.05, 0.2)]
+    assert results["sizes"] == sizes and results["dataset_validation"] == len(digits.validation) == 144
     assert results["seeds"] == [3, 4] and results["fractions"] == [0.05, 0.2]
-    assert results["dataset"] == {"name": "digits", "num_train": 1437, "num_test": 360, "num_classes": 10}
-    assert results["budget"] == {"steps": 2, "batch_size": 16, "examples_seen": 32}
+    assert results["dataset"] == {"name": "digits", "num_train": 1293, "num_test": 360, "num_classes": 10}
+    assert results["budget"] == {"steps": 4, "batch_size": 16, "eval_every": 1, "patience": 2}
     assert results["config"]["cnn"]["widths"] == [4, 8]
     assert list(results["models"]) == ["ViT", "ResNet"]
     for model in results["models"].values():
         assert [p["size"] for p in model["points"]] == results["sizes"]
         for point in model["points"]:
             check_point(point, [3, 4])
+            # Stopped after 2 evaluations without improvement, or at the 4 steps; the best step's weights kept.
+            for steps, best in zip(point["steps"], point["best_step"]):
+                assert 1 <= best <= steps <= 4 and (steps == 4 or steps == best + 2)
+            assert all(0 <= a <= 1 for a in point["validation_accuracy"])
     assert results["models"]["ResNet"]["parameters"] == baselines.build_resnet(16, 10, widths=(4, 8)).count_params()
     means = [[p["mean"] for p in m["points"]] for m in results["models"].values()]
     assert results["crossings"] == [
@@ -188,8 +198,29 @@ def test_scaling_writes_its_json_table_and_figure(tmp_path):
     ]
     assert results["summary"] in stdout
     table = (tmp_path / "scaling.md").read_text()
-    assert table.count("\n") == 4 and "| 287 | 0 |" in table
+    assert table.count("\n") == 4 and f"| {sizes[1]} | " in table and "ViT steps" in table
     check_png(tmp_path / "scaling.png")
+
+
+def test_early_stopping_keeps_the_best_weights_and_needs_whole_evaluation_periods():
+    from experiments.configs import scaling as scaling_config
+
+    config = tiny_config(scaling_config, batch_size=16)
+    dataset = common.load_in_memory(config)
+    train = common.take(dataset.train, np.arange(64))
+    make_model = functools.partial(common.build_model, config, dataset.num_classes)
+    (model, result), = common.train_runs(
+        make_model, [(0, train)], dataset.test, config=config, steps=6, warmup_steps=1, batch_size=16,
+        num_classes=10, validation=dataset.validation, eval_every=2, patience=1,
+    )
+    assert result["steps"] in (2, 4, 6) and result["best_step"] in (2, 4, 6)
+    # The weights kept are the best evaluation's: the validation accuracy measured then is the model's now.
+    assert common.accuracy(model, dataset.validation, 16) == result["validation_accuracy"]
+    with pytest.raises(ValueError, match="must divide `steps`. Received: eval_every=4, steps=6"):
+        next(common.train_runs(
+            make_model, [(0, train)], dataset.test, config=config, steps=6, warmup_steps=1, batch_size=16,
+            num_classes=10, validation=dataset.validation, eval_every=4, patience=1,
+        ))
 
 
 @pytest.mark.slow

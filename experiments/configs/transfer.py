@@ -20,7 +20,10 @@ from experiments.configs import scaling
 def get_config():
     # The scaling experiment's ViT, data and recipe (for pre-training and for training from scratch).
     config = scaling.get_config()
-    del config.fractions, config.seeds, config.steps, config.cnn
+    del config.fractions, config.seeds, config.steps, config.cnn, config.eval_every, config.patience
+    # Every run trains a fixed budget and is tested once: nothing is selected, so no validation split is held
+    # out of the training images.
+    config.validation_fraction = 0.0
 
     # Pre-training: every training image of these classes; the target task is the other classes.
     config.source_classes = (0, 1, 2, 3, 4)
