@@ -1,57 +1,48 @@
 """The one module of keras_vit that uses private or undocumented Keras and TensorFlow APIs.
 
-The rest of the package, `experiments/` and `tests/` use public APIs only,
-or the entries below.  Every entry was written for the versions in
-`WRITTEN_FOR` and is checked down to `CHECKED_FROM`; its docstring says what it relies on and why no public API
-does the job, and `tests/test_compat.py` holds a canary for each that fails,
-naming the API and the versions, when what it relies on changes or goes away.
+The rest of the package, `experiments/` and `tests/` use public APIs only, or the entries below.  Every entry was
+written for the versions in `WRITTEN_FOR` and is checked down to `CHECKED_FROM`; its docstring says what it relies
+on and why no public API does the job, and `tests/test_compat.py` holds a canary for each that fails, naming the API
+and the versions, when what it relies on changes or goes away.
 
 The entries, what each relies on, and who calls it:
 
-- `onednn_enabled()`: tensorflow.python.util._pywrap_util_port.IsMklEnabled;
-  the kernels layer, to choose a path (a probe).
-- `in_xla_context()`:
-  tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext; the
-  kernels layer, to choose a path (a probe).
+- `onednn_enabled()`: tensorflow.python.util._pywrap_util_port.IsMklEnabled; the kernels layer, to choose a path (a
+  probe).
+- `in_xla_context()`: tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext; the kernels layer, to
+  choose a path (a probe).
 - `convert_variables_to_constants(f)`:
-  tensorflow.python.framework.convert_to_constants.convert_variables_to_constants_v2;
-  keras_vit.testing, for per-op profiles.
-- `grappler_op_types(f)`: tensorflow.python.grappler.tf_optimizer.OptimizeGraph;
-  tests of the kernels layer.
-- `ClipAfterAllReduce`: the TensorFlow-backend optimizer's `_clip_gradients`,
-  `_backend_update_step`, `_all_reduce_sum_gradients`,
-  `_distributed_tf_update_step` and `_distribution_strategy`, and
+  tensorflow.python.framework.convert_to_constants.convert_variables_to_constants_v2; keras_vit.testing, for per-op
+  profiles.
+- `grappler_op_types(f)`: tensorflow.python.grappler.tf_optimizer.OptimizeGraph; tests of the kernels layer.
+- `ClipAfterAllReduce`: the TensorFlow-backend optimizer's `_clip_gradients`, `_backend_update_step`,
+  `_all_reduce_sum_gradients`, `_distributed_tf_update_step` and `_distribution_strategy`, and
   tf.__internal__.distribute.interim.maybe_merge_call; keras_vit.training.
-- `LearningRateScales`: the optimizer's `_get_variable_index`,
-  `_trainable_variables`, `_use_weight_decay` and `_apply_weight_decay`;
-  keras_vit.training (layer-wise learning-rate decay).
-- `swap_moving_average(optimizer)`: the optimizer's `_trainable_variables` and
-  `_model_variables_moving_average` (its `use_ema` averages);
-  keras_vit.training.EMAWeights.
+- `LearningRateScales`: the optimizer's `_get_variable_index`, `_trainable_variables`, `_use_weight_decay` and
+  `_apply_weight_decay`; keras_vit.training (layer-wise learning-rate decay).
+- `swap_moving_average(optimizer)`: the optimizer's `_trainable_variables` and `_model_variables_moving_average`
+  (its `use_ema` averages); keras_vit.training.EMAWeights.
 - `patch_keras_for_multi_worker_fit()`: keras.src.backend.tensorflow.trainer
-  (`TensorFlowTrainer._maybe_symbolic_build`, `reduce_per_replica`,
-  `_collective_all_reduce_multi_worker`, `_is_per_replica_instance`);
-  keras_vit.distribute.
+  (`TensorFlowTrainer._maybe_symbolic_build`, `reduce_per_replica`, `_collective_all_reduce_multi_worker`,
+  `_is_per_replica_instance`); keras_vit.distribute.
 
-When what an entry relies on is missing or has another signature, the entry
-raises `PrivateApiError` (a RuntimeError) naming the API, the versions it was
-written for and the versions installed, rather than doing something else.
-The two probes that only choose a faster path, `onednn_enabled` and
-`in_xla_context`, answer False instead: the plain path is correct
-everywhere, only slower.
+When what an entry relies on is missing or has another signature, the entry raises `PrivateApiError` (a
+RuntimeError) naming the API, the versions it was written for and the versions installed, rather than doing
+something else. The two probes that only choose a faster path, `onednn_enabled` and `in_xla_context`, answer False
+instead: the plain path is correct everywhere, only slower.
 
-`api_problems(entry)` lists what an entry relies on that the installed
-versions lack ([] when all is there); the canaries assert it is empty.
+`api_problems(entry)` lists what an entry relies on that the installed versions lack ([] when all is there); the
+canaries assert it is empty.
 
-TensorFlow is imported inside the entries, so importing this module (as
-`keras_vit.training` does) works on the JAX and PyTorch backends without
-TensorFlow installed.
+TensorFlow is imported inside the entries, so importing this module (as `keras_vit.training` does) works on the JAX
+and PyTorch backends without TensorFlow installed.
 """
 
 import collections
 import functools
 import importlib
 import inspect
+import logging
 import types
 
 import keras
@@ -181,19 +172,17 @@ _MKL_PORT = ("tensorflow.python.util._pywrap_util_port", "IsMklEnabled")
 def onednn_enabled():
     """Whether TensorFlow runs its oneDNN CPU kernels and graph rewrites in this process.
 
-    True only in a build with oneDNN (the x86-64 Linux wheels), where it is
-    on: TF_ENABLE_ONEDNN_OPTS=1 or 0 decides when set, and otherwise
-    TensorFlow decides from the CPU's features (it leaves oneDNN off on some
-    CPUs, AVX2-only ones among them).  Grappler rewrites graphs into oneDNN's fused ops (such
-    as `_MklLayerNorm`) only when this is True.
+    True only in a build with oneDNN (the x86-64 Linux wheels), where it is on: TF_ENABLE_ONEDNN_OPTS=1 or 0 decides
+    when set, and otherwise TensorFlow decides from the CPU's features (it leaves oneDNN off on some CPUs, AVX2-only
+    ones among them).  Grappler rewrites graphs into oneDNN's fused ops (such as `_MklLayerNorm`) only when this is
+    True.
 
-    Written for TensorFlow 2.21.  Relies on
-    `tensorflow.python.util._pywrap_util_port.IsMklEnabled()`, the check
-    TensorFlow's own code and tests use.  No public API reports it:
-    `tf.sysconfig.get_build_info()` has no oneDNN key.
+    Written for TensorFlow 2.21.  Relies on `tensorflow.python.util._pywrap_util_port.IsMklEnabled()`, the check
+    TensorFlow's own code and tests use.  No public API reports it: `tf.sysconfig.get_build_info()` has no oneDNN
+    key.
 
-    A probe for choosing a faster path: False when the private API is missing
-    (the canary in tests/test_compat.py still fails then).
+    A probe for choosing a faster path: False when the private API is missing (the canary in tests/test_compat.py
+    still fails then).
     """
     probe, _ = _lookup(*_MKL_PORT)
     return bool(probe()) if callable(probe) else False
@@ -205,18 +194,16 @@ _XLA_CONTEXT = ("tensorflow.python.ops.control_flow_util", "GraphOrParentsInXlaC
 def in_xla_context():
     """Whether ops traced now are compiled by XLA: inside a `tf.function(jit_compile=True)`.
 
-    True when the current default graph, or a graph it is nested in (a
-    `tf.cond` or `tf.while_loop` branch, an inner `tf.function`), is traced
-    for XLA, as Keras' `jit_compile=True` traces each training step.  False
-    eagerly and in graphs TensorFlow runs itself.
+    True when the current default graph, or a graph it is nested in (a `tf.cond` or `tf.while_loop` branch, an inner
+    `tf.function`), is traced for XLA, as Keras' `jit_compile=True` traces each training step.  False eagerly and in
+    graphs TensorFlow runs itself.
 
-    Written for TensorFlow 2.21.  Relies on
-    `tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext`,
-    which reads the XLA marker TensorFlow sets on graphs it compiles.  No
-    public API tells whether the function being traced will be compiled.
+    Written for TensorFlow 2.21.  Relies on `tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext`,
+    which reads the XLA marker TensorFlow sets on graphs it compiles.  No public API tells whether the function
+    being traced will be compiled.
 
-    A probe for choosing a faster path: False when the private API is missing
-    (the canary in tests/test_compat.py still fails then).
+    A probe for choosing a faster path: False when the private API is missing (the canary in tests/test_compat.py
+    still fails then).
     """
     try:
         import tensorflow as tf
@@ -246,14 +233,13 @@ def _check_concrete_function(entry, concrete_function):
 def convert_variables_to_constants(concrete_function):
     """A copy of `concrete_function` with every variable it reads replaced by a constant of its value.
 
-    The frozen graph can be imported into a `tf.Graph` and run by a session
-    with no variables to initialise, which is how TensorFlow collects its own
-    per-op step statistics after its graph optimiser has run.
+    The frozen graph can be imported into a `tf.Graph` and run by a session with no variables to initialise, which
+    is how TensorFlow collects its own per-op step statistics after its graph optimiser has run.
 
     Written for TensorFlow 2.21.  Relies on
-    `tensorflow.python.framework.convert_to_constants.convert_variables_to_constants_v2(func)`.
-    The public `tf.compat.v1.graph_util.convert_variables_to_constants` works
-    on TF1 sessions and graph defs only, not on TF2 concrete functions.
+    `tensorflow.python.framework.convert_to_constants.convert_variables_to_constants_v2(func)`. The public
+    `tf.compat.v1.graph_util.convert_variables_to_constants` works on TF1 sessions and graph defs only, not on TF2
+    concrete functions.
     """
     _check_concrete_function("convert_variables_to_constants", concrete_function)
     convert = _resolve("convert_variables_to_constants", *_CONVERT)
@@ -266,21 +252,16 @@ _OPTIMIZE_GRAPH = ("tensorflow.python.grappler.tf_optimizer", "OptimizeGraph")
 def grappler_op_types(concrete_function):
     """`collections.Counter` of the op types in `concrete_function`'s graph after TensorFlow's Grappler ran.
 
-    The graph is optimised as a session on this machine would before running
-    it: every node placed on the local CPU, the function's outputs fetched,
-    its inputs fed, Grappler with its default passes (a default ConfigProto).
-    That is where oneDNN's fusions happen (FusedBatchNormV3-based layer norms
-    into `_MklLayerNorm`, MatMul + BiasAdd + activation into one op, ...).
-    Some fusions need constant weights (the layer norm's scale and offset,
-    for one): pass `convert_variables_to_constants(f)` to see the graph a
-    frozen model gets.  Ops inside functions the graph still calls are not
-    counted.
+    The graph is optimised as a session on this machine would before running it: every node placed on the local CPU,
+    the function's outputs fetched, its inputs fed, Grappler with its default passes (a default ConfigProto). That
+    is where oneDNN's fusions happen (FusedBatchNormV3-based layer norms into `_MklLayerNorm`, MatMul + BiasAdd +
+    activation into one op, ...). Some fusions need constant weights (the layer norm's scale and offset, for one):
+    pass `convert_variables_to_constants(f)` to see the graph a frozen model gets.  Ops inside functions the graph
+    still calls are not counted.
 
-    Written for TensorFlow 2.21.  Relies on
-    `tensorflow.python.grappler.tf_optimizer.OptimizeGraph(config_proto, metagraph, verbose)`,
-    the Python entry point TensorFlow's own Grappler tests use.  No public
-    API returns the graph Grappler produces: sessions and tf.function run it
-    internally and never hand it back.
+    Written for TensorFlow 2.21.  Relies on `tensorflow.python.grappler.tf_optimizer.OptimizeGraph(config_proto,
+    metagraph, verbose)`, the Python entry point TensorFlow's own Grappler tests use.  No public API returns the
+    graph Grappler produces: sessions and tf.function run it internally and never hand it back.
     """
     _check_concrete_function("grappler_op_types", concrete_function)
     optimize = _resolve("grappler_op_types", *_OPTIMIZE_GRAPH)
@@ -309,20 +290,23 @@ _OPTIMIZER_METHODS = {
 _MERGE_CALL = ("tensorflow", "__internal__.distribute.interim.maybe_merge_call")
 
 
+def _base_optimizer_problems(methods, attributes):
+    """`methods` of keras.optimizers.Optimizer with their parameters, and `attributes` its `build` sets."""
+    problems = [problem for name, expected in methods.items()
+                for problem in _function_problems("keras.optimizers", f"Optimizer.{name}", expected, exact=True)]
+    built = set().union(*(_names_used(cls.__dict__.get("build")) for cls in keras.optimizers.Optimizer.__mro__))
+    return problems + [f"keras.optimizers.Optimizer.build no longer sets `{name}`" for name in attributes - built]
+
+
 def _optimizer_problems():
     if keras.backend.backend() != "tensorflow":
         return []  # The mixin does nothing on other backends.
     optimizer = keras.optimizers.Optimizer
-    problems = []
-    for name, expected in _OPTIMIZER_METHODS.items():
-        problems += _function_problems("keras.optimizers", f"Optimizer.{name}", expected, exact=True)
+    problems = _base_optimizer_problems(_OPTIMIZER_METHODS, set())
     # Keras clips, then calls the backend update step that all-reduces; the mixin moves the clip after it.
     used = _names_used(getattr(optimizer, "_backend_apply_gradients", None))
-    missing = {"_clip_gradients", "_backend_update_step"} - used
-    if missing:
-        problems.append(
-            "keras.optimizers.Optimizer._backend_apply_gradients no longer calls " + ", ".join(sorted(missing))
-        )
+    missing = ", ".join(sorted({"_clip_gradients", "_backend_update_step"} - used))
+    problems += [f"keras.optimizers.Optimizer._backend_apply_gradients no longer calls {missing}"] if missing else []
     if not any("_distribution_strategy" in _names_used(cls.__dict__.get("__init__")) for cls in optimizer.__mro__):
         problems.append("keras.optimizers.Optimizer no longer sets `_distribution_strategy` in __init__")
     problems += _function_problems(*_MERGE_CALL, ("fn", "strategy"))
@@ -341,30 +325,23 @@ def _multi_replica_strategy():
 class ClipAfterAllReduce:
     """Mixin for Keras optimizers: clip the global gradient after the cross-replica sum, not before.
 
-    Keras clips in `_backend_apply_gradients` (`_clip_gradients`), then
-    `_backend_update_step` all-reduces the clipped per-replica gradients
-    across replicas, so under a multi-replica strategy `global_clipnorm`
-    clips each replica's share on its own and the update depends on the
-    number of replicas.  With this mixin, clipping is skipped there and done
-    in `_backend_update_step` on the all-reduced gradient, between Keras'
-    `_all_reduce_sum_gradients` and `_distributed_tf_update_step` (run
-    through `maybe_merge_call`, as Keras does): the update a single device
-    makes with the same global batch.  With one replica (or another backend)
-    it changes nothing.
+    Keras clips in `_backend_apply_gradients` (`_clip_gradients`), then `_backend_update_step` all-reduces the
+    clipped per-replica gradients across replicas, so under a multi-replica strategy `global_clipnorm` clips each
+    replica's share on its own and the update depends on the number of replicas.  With this mixin, clipping is
+    skipped there and done in `_backend_update_step` on the all-reduced gradient, between Keras'
+    `_all_reduce_sum_gradients` and `_distributed_tf_update_step` (run through `maybe_merge_call`, as Keras does):
+    the update a single device makes with the same global batch.  With one replica (or another backend) it changes
+    nothing.
 
-    Written for Keras 3.15 with TensorFlow 2.21.  Relies on the
-    TensorFlow-backend optimizer's private `_clip_gradients(grads)`,
-    `_backend_update_step(grads, trainable_variables, learning_rate)`,
-    `_all_reduce_sum_gradients(grads_and_vars)`,
-    `_distributed_tf_update_step(distribution, grads_and_vars, learning_rate)`,
-    its `_distribution_strategy` attribute and
-    `tf.__internal__.distribute.interim.maybe_merge_call`.  No public hook
-    runs between the cross-replica sum and the update; clipping in the public
-    `apply` would need a second all-reduce of every gradient.
+    Written for Keras 3.15 with TensorFlow 2.21.  Relies on the TensorFlow-backend optimizer's private
+    `_clip_gradients(grads)`, `_backend_update_step(grads, trainable_variables, learning_rate)`,
+    `_all_reduce_sum_gradients(grads_and_vars)`, `_distributed_tf_update_step(distribution, grads_and_vars,
+    learning_rate)`, its `_distribution_strategy` attribute and
+    `tf.__internal__.distribute.interim.maybe_merge_call`.  No public hook runs between the cross-replica sum and
+    the update; clipping in the public `apply` would need a second all-reduce of every gradient.
 
-    Created under a multi-replica strategy, an optimizer with this mixin
-    raises PrivateApiError when those APIs changed, rather than clipping per
-    replica without saying so.
+    Created under a multi-replica strategy, an optimizer with this mixin raises PrivateApiError when those APIs
+    changed, rather than clipping per replica without saying so.
     """
 
     def __init__(self, *args, **kwargs):
@@ -400,60 +377,32 @@ class ClipAfterAllReduce:
         )
 
 
-# === Per-variable learning rates (layer-wise decay) ===
+# === Per-variable learning rates (layer-wise decay) and the moving average of the weights ===
 
-_SCALE_METHODS = {
-    "_get_variable_index": ("self", "variable"),
-    "_use_weight_decay": ("self", "variable"),
-    "_apply_weight_decay": ("self", "variables"),
-    "update_step": ("self", "gradient", "variable", "learning_rate"),
-}
-
-
-def _base_optimizer_problems(methods, attributes):
-    problems = []
-    for name, expected in methods.items():
-        problems += _function_problems("keras.optimizers", f"Optimizer.{name}", expected, exact=True)
-    # Attributes set in `build`, seen by the names its code assigns.
-    built = set()
-    for cls in keras.optimizers.Optimizer.__mro__:
-        built |= _names_used(cls.__dict__.get("build"))
-    problems += [f"keras.optimizers.Optimizer.build no longer sets `{name}`" for name in attributes - built]
-    return problems
-
-
-def _scale_problems():
-    return _base_optimizer_problems(_SCALE_METHODS, {"_trainable_variables"})
+_SCALE_METHODS = {"_get_variable_index": ("self", "variable"), "_use_weight_decay": ("self", "variable"),
+                  "_apply_weight_decay": ("self", "variables"),
+                  "update_step": ("self", "gradient", "variable", "learning_rate")}  # fmt: skip
+_EMA_ATTRIBUTES = {"_trainable_variables", "_model_variables_moving_average"}
 
 
 class LearningRateScales:
-    """Mixin for Keras optimizers: each variable's learning rate multiplied by its own factor.
+    """Mixin for Keras optimizers: each variable's learning rate, and its decoupled weight decay (as in PyTorch's
+    parameter groups), multiplied by its factor in `learning_rate_scales` ({variable.path: factor}; 1 for a variable
+    not named).  Without scales, the optimizer is Keras' own.
 
-    `learning_rate_scales` maps variable paths (`variable.path`) to factors;
-    a variable not named keeps the optimizer's rate.  The decoupled weight
-    decay of a variable (AdamW's) is scaled with its rate, as in PyTorch's
-    parameter groups: it is applied in `update_step`, just before the
-    variable's update, with the scaled rate, instead of in Keras'
-    `_apply_weight_decay` for all variables at the one rate.  Without scales
-    the optimizer is Keras' own.
-
-    Written for Keras 3.15 with TensorFlow 2.21.  `update_step(gradient,
-    variable, learning_rate)` is the documented method to override, but it
-    receives the variable (under a `tf.distribute` strategy, one replica's
-    copy), not its name: the factor is found through the optimizer's private
-    `_get_variable_index(variable)` and `_trainable_variables` (which map a
-    replica's copy to the model's variable), the weight decay through its
-    private `_use_weight_decay(variable)` and `_apply_weight_decay(variables)`.
-    No public hook takes a per-variable rate.  An optimizer made with scales
-    raises PrivateApiError when those APIs changed.
+    Written for Keras 3.15 with TensorFlow 2.21.  `update_step(gradient, variable, learning_rate)` is the method to
+    override, but it receives the variable (under a `tf.distribute` strategy, one replica's copy), not its name: the
+    factor is found through the private `_get_variable_index` and `_trainable_variables`, and the weight decay,
+    applied here at the scaled rate instead of in `_apply_weight_decay` at one rate for all, through the private
+    `_use_weight_decay`.  No public hook takes a per-variable rate.  Made with scales, it raises PrivateApiError
+    when those APIs changed.
     """
 
     def __init__(self, *args, learning_rate_scales=None, **kwargs):
         super().__init__(*args, **kwargs)
         scales = {str(path): float(scale) for path, scale in (learning_rate_scales or {}).items()}
-        bad = {path: scale for path, scale in scales.items() if not scale >= 0}
-        if bad:
-            raise ValueError(f"Learning-rate scales must be >= 0. Received: {bad}")
+        if any(not scale >= 0 for scale in scales.values()):
+            raise ValueError(f"Learning-rate scales must be >= 0. Received: {scales}")
         if scales:
             _require("LearningRateScales")
         self._scale_items = tuple(sorted(scales.items()))
@@ -462,47 +411,37 @@ class LearningRateScales:
     def learning_rate_scales(self):
         return dict(self._scale_items)
 
-    def _scale_of(self, variable):
-        model_variable = self._trainable_variables[self._get_variable_index(variable)]
-        return self.learning_rate_scales.get(model_variable.path, 1.0)
+    def build(self, variables):
+        super().build(variables)
+        if unknown := sorted(set(self.learning_rate_scales) - {variable.path for variable in variables}):
+            message = "%d learning-rate scales name no variable this optimizer updates (e.g. %s): another model's?"
+            logging.getLogger("keras_vit").warning(message, len(unknown), unknown[:3])
 
     def _apply_weight_decay(self, variables):
-        if not self._scale_items:
+        if not self._scale_items:  # Otherwise in update_step, at each variable's own rate.
             super()._apply_weight_decay(variables)
-        # Otherwise in update_step, at each variable's own rate.
 
     def update_step(self, gradient, variable, learning_rate):
-        if not self._scale_items:
-            return super().update_step(gradient, variable, learning_rate)
-        scale = self._scale_of(variable)
-        learning_rate = keras.ops.multiply(keras.ops.cast(learning_rate, variable.dtype), scale)
-        if self.weight_decay is not None and self._use_weight_decay(variable):
-            self.assign_sub(variable, variable * keras.ops.cast(self.weight_decay, variable.dtype) * learning_rate)
+        if self._scale_items:
+            path = self._trainable_variables[self._get_variable_index(variable)].path
+            learning_rate = keras.ops.cast(learning_rate, variable.dtype) * self.learning_rate_scales.get(path, 1.0)
+            if self.weight_decay is not None and self._use_weight_decay(variable):
+                decay = keras.ops.cast(self.weight_decay, variable.dtype) * learning_rate
+                self.assign_sub(variable, variable * decay)
         return super().update_step(gradient, variable, learning_rate)
 
     def get_config(self):
         return {**super().get_config(), "learning_rate_scales": self.learning_rate_scales}
 
 
-# === The moving average of the weights (use_ema), in and out of the model ===
-
-
-def _ema_problems():
-    return _base_optimizer_problems({}, {"_trainable_variables", "_model_variables_moving_average"})
-
-
 def swap_moving_average(optimizer):
-    """Exchanges the values of the model's trainable variables and of `optimizer`'s moving average of them
-    (an optimizer made with `use_ema=True`, or a `LossScaleOptimizer` around one), exactly.
+    """Exchanges, exactly, the values of the model's trainable variables and of `optimizer`'s moving average
+    of them (`use_ema=True`, or a `LossScaleOptimizer` around such an optimizer).  Outside the training step: under
+    a `tf.distribute` strategy, in its cross-replica context, where an assignment reaches every replica.
 
-    Written for Keras 3.15 with TensorFlow 2.21.  Keras keeps the averages in
-    the optimizer's private `_model_variables_moving_average`, in the order
-    of its private `_trainable_variables`; no public API reads them.
-    (`keras.callbacks.SwapEMAWeights` swaps through them by addition and
-    subtraction, which changes the weights by rounding at every swap.)  Run
-    outside the training step: under a `tf.distribute` strategy, in its
-    cross-replica context, where each assignment reaches every replica's
-    copy.  Raises PrivateApiError when those attributes are gone.
+    Written for Keras 3.15 with TensorFlow 2.21.  The averages are the private `_model_variables_moving_average`, in
+    the order of the private `_trainable_variables`; no public API reads them.  (`keras.callbacks.SwapEMAWeights`
+    swaps by adding and subtracting, which rounds.)  Raises PrivateApiError when those attributes are gone.
     """
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     if not getattr(optimizer, "use_ema", False):
@@ -511,11 +450,10 @@ def swap_moving_average(optimizer):
         return  # Nothing trained yet: no average.
     _require("swap_moving_average")
     for variable, average in zip(optimizer._trainable_variables, optimizer._model_variables_moving_average):
-        if average is None:
-            continue
-        current = keras.ops.copy(variable.value)
-        variable.assign(average.value)
-        average.assign(current)
+        if average is not None:
+            current = keras.ops.copy(variable.value)
+            variable.assign(average.value)
+            average.assign(current)
 
 
 # === model.fit under MultiWorkerMirroredStrategy ===
@@ -559,32 +497,23 @@ def _trainer_problems():
 def patch_keras_for_multi_worker_fit():
     """Makes `model.fit` work under MultiWorkerMirroredStrategy (Keras 3, TensorFlow backend).
 
-    Keras fails there in two places (keras-team/keras issue 20585,
-    tensorflow/tensorflow issue 72388):
+    Keras fails there in two places (keras-team/keras issue 20585, tensorflow/tensorflow issue 72388):
 
-    1. `TensorFlowTrainer._maybe_symbolic_build` builds the model from one
-       batch, which it first MEAN-reduces across replicas; under
-       MultiWorkerMirroredStrategy that reduction is a collective op on the
-       (uint8) image batch and fails.  The batch is only needed for its
-       shapes and dtypes, so the replacement takes the local replica's value.
-    2. `reduce_per_replica` MEAN-reduces the step's metrics with `axis=0`;
-       they are scalars, so the collective reduction fails.  The replacement
-       reduces scalars with `axis=None`.
+    1. `TensorFlowTrainer._maybe_symbolic_build` builds the model from one batch, which it first MEAN-reduces across
+    replicas; under MultiWorkerMirroredStrategy that reduction is a collective op on the (uint8) image batch and
+    fails.  The batch is only needed for its shapes and dtypes, so the replacement takes the local replica's value.
+    2. `reduce_per_replica` MEAN-reduces the step's metrics with `axis=0`; they are scalars, so the collective
+    reduction fails.  The replacement reduces scalars with `axis=None`.
 
-    Both replacements act only under multi-worker collective strategies (as
-    Keras' own `_collective_all_reduce_multi_worker` tells them) and call the
-    original code everywhere else.  Idempotent.
+    Both replacements act only under multi-worker collective strategies (as Keras' own
+    `_collective_all_reduce_multi_worker` tells them) and call the original code everywhere else.  Idempotent.
 
-    Written for Keras 3.15 with TensorFlow 2.21.  Relies on
-    `keras.src.backend.tensorflow.trainer`: replaces
-    `TensorFlowTrainer._maybe_symbolic_build(self, iterator=None, data_batch=None)`
-    and the module function `reduce_per_replica(values, strategy, reduction)`
-    (which the train and test steps look up by name), and calls
-    `_collective_all_reduce_multi_worker(strategy)`,
-    `_is_per_replica_instance(obj)`, `TensorFlowTrainer._symbolic_build` and
-    reads `_distribute_strategy`.  No public API reaches either step: the
-    failing reductions happen inside `fit` before any callback or
-    `train_step` override runs.
+    Written for Keras 3.15 with TensorFlow 2.21.  Relies on `keras.src.backend.tensorflow.trainer`: replaces
+    `TensorFlowTrainer._maybe_symbolic_build(self, iterator=None, data_batch=None)` and the module function
+    `reduce_per_replica(values, strategy, reduction)` (which the train and test steps look up by name), and calls
+    `_collective_all_reduce_multi_worker(strategy)`, `_is_per_replica_instance(obj)`,
+    `TensorFlowTrainer._symbolic_build` and reads `_distribute_strategy`.  No public API reaches either step: the
+    failing reductions happen inside `fit` before any callback or `train_step` override runs.
 
     Raises PrivateApiError when any of those changed.
     """
@@ -663,7 +592,7 @@ _CHECKS = {
         _function_problems, *_OPTIMIZE_GRAPH, ("config_proto", "metagraph", "verbose")
     ),
     "ClipAfterAllReduce": _optimizer_problems,
-    "LearningRateScales": _scale_problems,
-    "swap_moving_average": _ema_problems,
+    "LearningRateScales": functools.partial(_base_optimizer_problems, _SCALE_METHODS, {"_trainable_variables"}),
+    "swap_moving_average": functools.partial(_base_optimizer_problems, {}, _EMA_ATTRIBUTES),
     "patch_keras_for_multi_worker_fit": _trainer_problems,
 }

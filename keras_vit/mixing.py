@@ -52,6 +52,8 @@ import random
 import keras
 from keras import ops
 
+from keras_vit import train_step
+
 # Candidates drawn per gamma sample (see `sample_beta`).  Each is accepted with
 # probability above 0.95, so all 16 are rejected with probability below 1e-20.
 _GAMMA_CANDIDATES = 16
@@ -200,6 +202,27 @@ class BatchMixer:
         labels = labels * label_weight + _reverse(labels, groups) * (1 - label_weight)
         return images, labels
 
+    def training_step(self, inner_step, *, jax=False):
+        """A training step `(model, data)` (JAX: `(model, state, data)`) that mixes the batch, then runs
+        `inner_step` with the same arguments on the mixed batch (`keras_vit.train_step.install`)."""
+        unpack, pack = keras.utils.unpack_x_y_sample_weight, keras.utils.pack_x_y_sample_weight
+
+        def train_step(model, data):
+            x, y, sample_weight = unpack(data)
+            x, y = self(x, y, model.optimizer.iterations, dtype=_input_dtype(model))
+            return inner_step(model, pack(x, y, sample_weight))
+
+        def jax_train_step(model, state, data):
+            # The JAX trainer's step is a pure function of `state`: the step
+            # counter is read from the optimizer's values in it.
+            x, y, sample_weight = unpack(data)
+            step = _step_value(model.optimizer, state[2])
+            groups = _data_shards(tuple(x.shape)) if hasattr(x, "shape") else 1
+            x, y = self(x, y, step, dtype=_input_dtype(model), groups=groups)
+            return inner_step(model, state, pack(x, y, sample_weight))
+
+        return jax_train_step if jax else train_step
+
     def _draw(self, step, height, width):
         """(weight of each example's own pixels, (height, width, 1) or scalar; weight of its own label)."""
         state = self._generator.state
@@ -300,30 +323,6 @@ def enable_batch_mixing(model, mixup_alpha=0.0, cutmix_alpha=0.0, switch_prob=0.
         The `BatchMixer`.
     """
     mixer = BatchMixer(mixup_alpha, cutmix_alpha, switch_prob, seed)
-    from keras_vit import train_step
-
-    setattr(model, train_step._MIXER, mixer)
-    train_step.install(model)  # With gradient accumulation, the whole batch is mixed, then split.
+    train_step.set_mixer(model, mixer)  # With gradient accumulation, the whole batch is mixed, then split.
     return mixer
 
-
-def mixing_step(mixer, inner_step, *, jax=False):
-    """A training step `(model, data)` (JAX: `(model, state, data)`) that mixes the batch, then runs
-    `inner_step` with the same arguments on the mixed batch."""
-    unpack, pack = keras.utils.unpack_x_y_sample_weight, keras.utils.pack_x_y_sample_weight
-
-    def train_step(model, data):
-        x, y, sample_weight = unpack(data)
-        x, y = mixer(x, y, model.optimizer.iterations, dtype=_input_dtype(model))
-        return inner_step(model, pack(x, y, sample_weight))
-
-    def jax_train_step(model, state, data):
-        # The JAX trainer's step is a pure function of `state`: the step
-        # counter is read from the optimizer's values in it.
-        x, y, sample_weight = unpack(data)
-        step = _step_value(model.optimizer, state[2])
-        groups = _data_shards(tuple(x.shape)) if hasattr(x, "shape") else 1
-        x, y = mixer(x, y, step, dtype=_input_dtype(model), groups=groups)
-        return inner_step(model, state, pack(x, y, sample_weight))
-
-    return jax_train_step if jax else train_step

@@ -66,10 +66,14 @@ def enable_gradient_accumulation(model, steps):
     install(model)
 
 
+def set_mixer(model, mixer):
+    """Makes `model.fit` mix each batch with `mixer` (a `keras_vit.BatchMixer`) before anything else."""
+    setattr(model, _MIXER, mixer)
+    install(model)
+
+
 def install(model):
     """Sets `model.train_step` to what `enable_batch_mixing` and `enable_gradient_accumulation` asked for."""
-    from keras_vit.mixing import mixing_step
-
     if keras.backend.backend() == "jax" and keras.config.is_nnx_enabled():
         raise ValueError(
             "keras_vit's training steps (batch mixing, gradient accumulation) do not support Keras' Flax NNX "
@@ -82,7 +86,7 @@ def install(model):
         step = _jax_accumulating(step, steps) if jax else _tf_accumulating(step, steps)
     mixer = vars(model).get(_MIXER)
     if mixer is not None and mixer.enabled:
-        step = mixing_step(mixer, step, jax=jax)
+        step = mixer.training_step(step, jax=jax)
     if "train_step" in vars(model):
         del model.train_step
     if step is not type(model).train_step:
@@ -109,15 +113,19 @@ def micro_batch(data, steps, index):
 
 def _caught(optimizer, steps, name, catch, run):
     """Runs `run()` (the model's step, being traced) with `optimizer.<name>` replaced by `catch` and
-    `optimizer.scale_loss` dividing the loss by `steps` first; the optimizer is itself again after."""
+    `optimizer.scale_loss` dividing the loss by `steps` first; the optimizer is as it was after."""
+    before = {key: vars(optimizer)[key] for key in (name, "scale_loss") if key in vars(optimizer)}
     scale_loss = optimizer.scale_loss
     optimizer.scale_loss = lambda loss: scale_loss(ops.divide(loss, steps))
     setattr(optimizer, name, catch)
     try:
         return run()
     finally:
-        delattr(optimizer, name)
-        del optimizer.scale_loss
+        for key in (name, "scale_loss"):
+            if key in before:
+                setattr(optimizer, key, before[key])
+            else:
+                delattr(optimizer, key)
 
 
 def _one_call(gradients, name):
@@ -132,13 +140,16 @@ def _one_call(gradients, name):
 def _tf_accumulating(model_step, steps):
     import tensorflow as tf
 
+    def dense(gradient):  # An embedding's sparse gradient (IndexedSlices) is summed as a tensor.
+        return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
+
     def step(model, data):
         optimizer, variables = model.optimizer, model.trainable_weights
 
         def micro_step(index):
             gradients = []
             logs = _caught(
-                optimizer, steps, "apply_gradients", lambda pairs: gradients.append([g for g, _ in pairs]),
+                optimizer, steps, "apply_gradients", lambda pairs: gradients.append([dense(g) for g, _ in pairs]),
                 lambda: model_step(model, micro_batch(data, steps, index)),
             )
             return _one_call(gradients, "apply_gradients"), logs
