@@ -189,6 +189,27 @@ class EMAWeights(keras.callbacks.Callback):
             swap_moving_average(self.model.optimizer)
             self._in_model = averaged
 
+    def _check_restored(self):
+        if self._in_model:
+            raise RuntimeError(
+                "EMAWeights left the moving average in the model after an epoch: its `restorer()` must be among "
+                "fit's callbacks, after the EMAWeights callback (callbacks run in the order given)."
+            )
+
+    def on_train_begin(self, logs=None):
+        optimizer = getattr(self.model.optimizer, "inner_optimizer", self.model.optimizer)
+        if not getattr(optimizer, "use_ema", False):
+            raise ValueError(
+                f"EMAWeights needs an optimizer that keeps a moving average (use_ema=True, or "
+                f"make_optimizer(ema_momentum=...)). Received: {type(optimizer).__name__} with use_ema=False."
+            )
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._check_restored()
+
+    def on_train_end(self, logs=None):
+        self._check_restored()
+
     def on_test_begin(self, logs=None):
         self._set(True)
 
