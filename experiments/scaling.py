@@ -23,8 +23,9 @@ against training-set size, log x, one standard deviation as error bars);
 prints the table and where the mean curves cross, or that they do not within
 the range.
 
-The data in memory, the stratified subsets, the runs and the outputs are
-`experiments.common`'s, shared with `experiments.transfer`.
+The data in memory, the stratified subsets and the outputs are
+`experiments.common`'s, the runs `experiments.short_runs`', shared with
+`experiments.transfer`.
 """
 
 import math
@@ -32,7 +33,7 @@ import math
 import keras
 import numpy as np
 
-from experiments import baselines, common
+from experiments import baselines, common, short_runs
 
 # === Where the curves cross ===
 
@@ -141,7 +142,7 @@ def run(config, workdir):
         per_run = []
         for (seed, train), (trained, result) in zip(
             runs,
-            common.train_runs(
+            short_runs.train_runs(
                 make_model, runs, dataset.test, config=config, steps=config.steps,
                 warmup_steps=config.warmup_steps, batch_size=config.batch_size, num_classes=num_classes,
                 validation=dataset.validation, eval_every=config.eval_every, patience=config.patience,
@@ -160,7 +161,7 @@ def run(config, workdir):
         results["models"][name] = {
             "parameters": parameters,
             "points": [
-                {"fraction": f, "size": size} | common.summarize(point)
+                {"fraction": f, "size": size} | short_runs.summarize(point)
                 for f, size, point in zip(fractions, sizes, points)
             ],
         }
@@ -169,7 +170,7 @@ def run(config, workdir):
 
 
 def report(results, workdir):
-    """Adds the crossings and the summary to `results` (what `run` trained, or a scaling.json read back),
+    """Adds the crossings and the summary to `results` (what `run` trained, or the scaling.json it wrote),
     writes scaling.json, .md and .png into `workdir`, prints the table; returns the results."""
     sizes = results["sizes"]
     means = {name: [p["mean"] for p in model["points"]] for name, model in results["models"].items()}

@@ -182,6 +182,13 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
             f"The training split has {dataset.num_train} examples, fewer than one batch of "
             f"{config.batch_size}."
         )
+    steps_per_execution = common.whole_executions(config.steps_per_execution, steps_per_epoch)
+    if steps_per_execution != config.steps_per_execution:
+        logging.warning(
+            "config.steps_per_execution=%d does not divide the %d steps of an epoch: %d steps per execution, "
+            "so that each epoch runs its steps and no more.", config.steps_per_execution, steps_per_epoch,
+            steps_per_execution,
+        )
     expected_classes = config.num_classes
     if expected_classes and expected_classes != dataset.num_classes:
         raise ValueError(
@@ -213,8 +220,8 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
             model,
             config,
             common.make_optimizer(config, total_steps, warmup_steps, model=model),
-            # Several steps per call: what keeps a TPU busy.
-            steps_per_execution=config.steps_per_execution,
+            # Several steps per call: what keeps a TPU busy; whole executions per epoch.
+            steps_per_execution=steps_per_execution,
         )
         # MixUp / CutMix inside the compiled step: uint8 batches cross to the device, mixed there.
         keras_vit.enable_batch_mixing(

@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_vit
-from experiments import common
+from experiments import common, short_runs
 
 METHODS = ("scratch", "frozen_backbone", "fine_tune")
 
@@ -74,7 +74,7 @@ def run(config, workdir):
     tf.io.gfile.makedirs(workdir)
 
     # === Pre-training on the source classes ===
-    (model, pretraining), = common.train_runs(
+    (model, pretraining), = short_runs.train_runs(
         lambda: common.build_model(config, len(source_classes)), [(config.seed, source_train)], source_test,
         config=config, steps=config.pretrain_steps, warmup_steps=config.warmup_steps,
         batch_size=config.batch_size, num_classes=len(source_classes),
@@ -126,7 +126,7 @@ def run(config, workdir):
         per_run = []
         for (seed, train), (trained, result) in zip(
             draws,
-            common.train_runs(
+            short_runs.train_runs(
                 makers[method], draws, target_test, config=config, steps=target.steps,
                 warmup_steps=target.warmup_steps, batch_size=target.batch_size, num_classes=num_classes,
                 recipe=None if method == "scratch" else config.finetune,
@@ -142,7 +142,8 @@ def run(config, workdir):
         results["methods"][method] = {
             "trainable_parameters": trainable,
             "points": [
-                {"shots": k, "size": k * num_classes, **common.summarize(per_run[i * len(seeds):(i + 1) * len(seeds)])}
+                {"shots": k, "size": k * num_classes}
+                | short_runs.summarize(per_run[i * len(seeds):(i + 1) * len(seeds)])
                 for i, k in enumerate(shots)
             ],
         }

@@ -98,6 +98,23 @@ def test_accumulation_refuses_what_it_cannot_split():
     assert "train_step" not in vars(model)
 
 
+def test_accumulation_sums_an_embeddings_sparse_gradients():
+    def embedding_model(steps):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 4),
+                                  keras.layers.Flatten(), keras.layers.Dense(2)])  # fmt: skip
+        model.compile(keras.optimizers.SGD(0.1), keras.losses.MeanSquaredError(), jit_compile=False)
+        keras_vit.enable_gradient_accumulation(model, steps)
+        return model
+
+    tokens = np.random.default_rng(0).integers(0, 10, (16, 3)).astype("int32")
+    targets = np.random.default_rng(1).normal(size=(16, 2)).astype("float32")
+    large, accumulated = embedding_model(1), embedding_model(4)
+    for model in (large, accumulated):
+        model.fit(tokens, targets, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert_same_weights(weights(accumulated), weights(large), atol=1e-6)
+
+
 # === The moving average ===
 
 
@@ -149,6 +166,15 @@ def test_the_moving_average_is_validated_checkpointed_and_kept_and_training_is_u
     assert_same_weights(trained.steps[-1], plain_trained.steps[-1], atol=0)
 
 
+def test_ema_weights_needs_an_average_and_its_restorer_after_it():
+    model = make_model()  # No moving average.
+    with pytest.raises(ValueError, match="EMAWeights needs an optimizer that keeps a moving average"):
+        model.fit(batches(16), epochs=1, verbose=0, callbacks=[training.EMAWeights()])
+    model, ema = make_model(ema_momentum=0.9), training.EMAWeights()
+    with pytest.raises(RuntimeError, match=r"`restorer\(\)` must be among fit's callbacks, after"):
+        model.fit(batches(16), epochs=2, verbose=0, callbacks=[ema.restorer(), ema])
+
+
 # === Layer-wise learning-rate decay ===
 
 
@@ -190,6 +216,14 @@ def test_layer_decay_updates_each_variable_as_adamw_at_its_scaled_rate():
         for _ in range(3):
             reference.apply([grad], [reference_variable])
         np.testing.assert_allclose(variable.numpy(), reference_variable.numpy(), atol=1e-7, err_msg=variable.path)
+
+
+def test_scales_that_name_no_variable_are_reported(caplog):
+    model = keras_vit.build_vit("testing", image_size=16, num_classes=4)
+    optimizer = training.AdamW(1e-3, learning_rate_scales={"head/kernel": 1.0, "other_model/kernel": 0.5})
+    with caplog.at_level("WARNING", logger="keras_vit"):
+        optimizer.build(model.trainable_variables)
+    assert "1 learning-rate scales name no variable" in caplog.text and "other_model/kernel" in caplog.text
 
 
 def test_layer_decay_survives_save_and_load(tmp_path):
@@ -328,6 +362,8 @@ def job_config():
     config.visualize, config.model.num_layers = False, 2
     config.ema_momentum, config.layer_decay, config.grad_accum_steps = 0.9, 0.75, 2
     config.augment.mixup_alpha = 0.8
+    # 7 does not divide the 20 steps of an epoch: the job runs 5 per execution, and each epoch its 20 steps.
+    config.steps_per_execution = 7
     return config
 
 

@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import pytest
 
-from experiments import baselines, common, scaling, transfer
+from experiments import baselines, common, scaling, short_runs, transfer
 from keras_vit import data as vit_data
 from keras_vit.checkpoints import read_npz
 from tests.conftest import run_module
@@ -94,6 +94,13 @@ def test_an_image_folder_is_read_into_memory_as_evaluation_images(tmp_path):
         for image, label in zip(split.images, split.labels)
     }
     assert loaded == expected
+
+
+def test_whole_executions_divide_the_epoch():
+    assert common.whole_executions(50, 95) == 19  # The CIFAR-10 recipe: 95 steps of 512 per epoch.
+    assert common.whole_executions(100, 1251) == 9
+    assert common.whole_executions(1, 20) == 1 and common.whole_executions(7, 20) == 5
+    assert common.whole_executions(64, 20) == 20
 
 
 def test_split_classes_relabels_in_the_order_given():
@@ -202,22 +209,24 @@ def test_scaling_writes_its_json_table_and_figure(tmp_path):
     check_png(tmp_path / "scaling.png")
 
 
-def test_early_stopping_keeps_the_best_weights_and_needs_whole_evaluation_periods():
+@pytest.mark.parametrize("ema_momentum", [0.0, 0.9])
+def test_early_stopping_keeps_the_best_weights_and_needs_whole_evaluation_periods(ema_momentum):
     from experiments.configs import scaling as scaling_config
 
-    config = tiny_config(scaling_config, batch_size=16)
+    # With a moving average of the weights, the average is measured and kept.
+    config = tiny_config(scaling_config, batch_size=16, ema_momentum=ema_momentum)
     dataset = common.load_in_memory(config)
     train = common.take(dataset.train, np.arange(64))
     make_model = functools.partial(common.build_model, config, dataset.num_classes)
-    (model, result), = common.train_runs(
+    (model, result), = short_runs.train_runs(
         make_model, [(0, train)], dataset.test, config=config, steps=6, warmup_steps=1, batch_size=16,
         num_classes=10, validation=dataset.validation, eval_every=2, patience=1,
     )
     assert result["steps"] in (2, 4, 6) and result["best_step"] in (2, 4, 6)
     # The weights kept are the best evaluation's: the validation accuracy measured then is the model's now.
-    assert common.accuracy(model, dataset.validation, 16) == result["validation_accuracy"]
+    assert short_runs.accuracy(model, dataset.validation, 16) == result["validation_accuracy"]
     with pytest.raises(ValueError, match="must divide `steps`. Received: eval_every=4, steps=6"):
-        next(common.train_runs(
+        next(short_runs.train_runs(
             make_model, [(0, train)], dataset.test, config=config, steps=6, warmup_steps=1, batch_size=16,
             num_classes=10, validation=dataset.validation, eval_every=4, patience=1,
         ))
