@@ -1,9 +1,18 @@
+import contextlib
+import importlib
+import io
 import os
 import pathlib
 import subprocess
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from tests import environments, scheduling  # noqa: E402
+
+# A child of tests/environments.py hides TensorFlow or splits the CPU before Keras is imported.
+environments.prepare()
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
@@ -56,6 +65,38 @@ def run_module(module, *args, timeout=900):
     return result.stdout
 
 
+def run_command_line(module, *args, main=None, exit_code=0):
+    """`python -m module args...` in this process: the job's flags defined and parsed from `args` as its command
+    line does (`experiments.common.run_job`), then `main(flags)` (the job's own `main` by default), from the
+    repository root; returns what it printed, once it exits with `exit_code`. The flags are removed again
+    afterwards, so that the next command line defines them anew. A job's command line runs as a program once
+    in the suite; its other tests come here.
+    """
+    from absl import flags
+
+    from experiments import common
+
+    job = importlib.import_module(module)
+    before, argv, cwd = set(flags.FLAGS), sys.argv, os.getcwd()
+    sys.argv = [f"{module.rsplit('.', 1)[-1]}.py", *args]
+    printed = io.StringIO()
+    try:
+        os.chdir(ROOT)
+        with contextlib.redirect_stdout(printed):
+            common.run_job(main or job.main, job.define_flags)
+    except SystemExit as exit:
+        if (exit.code or 0) != exit_code:
+            raise
+    else:
+        assert exit_code == 0, f"{module} ended without the exit code {exit_code}"
+    finally:
+        sys.argv = argv
+        os.chdir(cwd)
+        for name in set(flags.FLAGS) - before:
+            delattr(flags.FLAGS, name)
+    return printed.getvalue()
+
+
 @pytest.fixture(scope="session")
 def digits_main_job(tmp_path_factory):
     """The README's main command with its defaults, run once: (workdir, stdout)."""
@@ -63,35 +104,90 @@ def digits_main_job(tmp_path_factory):
     return workdir, run_module("experiments.train", f"--workdir={workdir}")
 
 
-# The fixtures that run once for several tests (a training job, a benchmark process): under pytest-xdist
-# (`-n`, set in setup.cfg), every test that uses one runs on the same worker, so the fixture still runs once.
-# tests/test_architecture.py checks that every module- or session-scoped fixture is listed here.
-SHARED_FIXTURES = (
-    "digits_main_job",
-    "tensorflow_runs",
-    "jax_runs",
-    "mirrored_runs",
-    "hybrid",
-    "timm_reference",
-    "torch_reference",
-    "failed_writes",
-    "small_saved_model",
-)
+@pytest.fixture(scope="session")
+def digits_job(tmp_path_factory):
+    """The training job, in this process, as a short run on the digits: a small model, 2 epochs, 4 steps per
+    execution, the figures and two exports. For the tests of what the job writes and of the tools that read
+    it (evaluation, TensorBoard): (workdir, config, metrics)."""
+    from experiments import train
+    from tests.test_model_selection import tiny_digits_config
+
+    config = tiny_digits_config(epochs=2)
+    config.visualize_images = 2
+    config.steps_per_execution = 4
+    config.export = "saved_model,tflite"
+    workdir = tmp_path_factory.mktemp("digits_job")
+    return workdir, config, train.train_and_evaluate(config, str(workdir))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(config, items):
-    """Marks the tests that share a fixture with its group, and runs the groups first, the main job's
-    (the longest piece of the suite) at the head: one worker starts it while the others take the rest."""
-    rank = {}
-    for item in items:
-        shared = [name for name in SHARED_FIXTURES if name in item.fixturenames]
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(shared[0]))
-        rank[item.nodeid] = SHARED_FIXTURES.index(shared[0]) if shared else len(SHARED_FIXTURES)
-    items.sort(key=lambda item: rank[item.nodeid])
+@pytest.fixture(scope="session")
+def two_replicas():
+    """The training job's MirroredStrategy over the two logical CPUs of the two_cpus child, one for all of its
+    tests: two MirroredStrategy objects in one process reuse each other's collective keys."""
+    from keras_vit.distribute import get_strategy
+
+    strategy = get_strategy("mirrored")
+    assert strategy.num_replicas_in_sync == 2, strategy.extended.worker_devices
+    return strategy
 
 
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: one worker per core, at most 4 (each worker holds its own TensorFlow and models)."""
-    return max(1, min(4, os.cpu_count() or 1))
+# === Tests in a child process of their own (tests/environments.py) ===
+
+
+@pytest.fixture(scope="session")
+def environment_children(request, tmp_path_factory):
+    """Starts each environment's child once, for all of its tests, when the first of them runs."""
+    return environments.Children(request.session, tmp_path_factory.mktemp("environments"))
+
+
+@pytest.fixture(autouse=True)
+def environment(request):
+    """For a test marked `environment(NAME)` in the main session: its outcome in NAME's child."""
+    if environments.CURRENT is None and environments.environment_of(request.node) is not None:
+        request.node.child_outcome = request.getfixturevalue("environment_children").outcome(request.node)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test that ran in its environment's child is not run again here: it reports the child's outcome."""
+    found = getattr(pyfuncitem, "child_outcome", None)
+    if found is None:
+        return None
+    environments.report_outcome(pyfuncitem, found)
+    return True
+
+
+# === Grouping, timeouts and time budgets (tests/scheduling.py) ===
+
+pytest_collection_modifyitems = scheduling.pytest_collection_modifyitems
+pytest_xdist_auto_num_workers = scheduling.pytest_xdist_auto_num_workers
+SHARED_FIXTURES = scheduling.SHARED_FIXTURES
+
+
+# === In a child of tests/environments.py: the outcomes for the main session; here, the time budgets ===
+
+
+def pytest_runtest_logreport(report):
+    if environments.CURRENT is not None:
+        environments.record(report)
+    else:
+        scheduling.BUDGETS.record(report)
+
+
+def pytest_sessionstart(session):
+    scheduling.BUDGETS.start = time.monotonic()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if environments.CURRENT is not None:
+        environments.write_report()
+        return
+    over = scheduling.BUDGETS.overruns(session.config)
+    if over and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    scheduling.BUDGETS.over = over
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in scheduling.BUDGETS.over:
+        terminalreporter.write_line(f"TIME BUDGET: {line}", red=True)

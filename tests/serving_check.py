@@ -1,14 +1,16 @@
-"""Runs an exported artefact in a process that never imports keras_vit.
+"""Runs exported artefacts in a process that never imports keras_vit.
 
-    python tests/serving_check.py KIND ARTEFACT INPUTS.npz OUTPUTS.npz
+    python tests/serving_check.py JOBS.json
 
-KIND: saved_model (both signatures, plain tf.saved_model.load), tfsmlayer
-(keras.layers.TFSMLayer), tflite (ai_edge_litert), onnx (onnxruntime).
-INPUTS.npz holds `images` (uint8 NHWC) and, for saved_model, `encoded`
-(encoded image bytes).  Writes the outputs to OUTPUTS.npz and fails if
-keras_vit was imported.
+JOBS.json: a list of [KIND, ARTEFACT, INPUTS.npz, OUTPUTS.npz], served one
+after the other in this process.  KIND: saved_model (both signatures, plain
+tf.saved_model.load), tfsmlayer (keras.layers.TFSMLayer), tflite
+(ai_edge_litert), onnx (onnxruntime).  INPUTS.npz holds `images` (uint8
+NHWC) and, for saved_model, `encoded` (encoded image bytes).  Writes each
+job's outputs to its OUTPUTS.npz and fails if keras_vit was imported.
 """
 
+import json
 import sys
 
 import numpy as np
@@ -69,15 +71,19 @@ def run_onnx(path, inputs):
     return {"logits": session.run(None, {name: inputs["images"].astype(np.float32)})[0]}
 
 
-def main(kind, artefact, inputs_path, outputs_path):
-    inputs = dict(np.load(inputs_path, allow_pickle=False))
-    runner = {"saved_model": run_saved_model, "tfsmlayer": run_tfsmlayer, "tflite": run_tflite, "onnx": run_onnx}
-    outputs = runner[kind](artefact, inputs)
-    if any(name == "keras_vit" or name.startswith("keras_vit.") for name in sys.modules):
-        raise SystemExit("keras_vit was imported by the serving process")
-    # Strings come back as object arrays; fixed-width bytes need no pickling.
-    outputs = {k: v.astype(bytes) if v.dtype == object else v for k, v in outputs.items()}
-    np.savez(outputs_path, **outputs)
+RUNNERS = {"saved_model": run_saved_model, "tfsmlayer": run_tfsmlayer, "tflite": run_tflite, "onnx": run_onnx}
+
+
+def main(jobs_path):
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    for kind, artefact, inputs_path, outputs_path in jobs:
+        outputs = RUNNERS[kind](artefact, dict(np.load(inputs_path, allow_pickle=False)))
+        if any(name == "keras_vit" or name.startswith("keras_vit.") for name in sys.modules):
+            raise SystemExit("keras_vit was imported by the serving process")
+        # Strings come back as object arrays; fixed-width bytes need no pickling.
+        outputs = {k: v.astype(bytes) if v.dtype == object else v for k, v in outputs.items()}
+        np.savez(outputs_path, **outputs)
 
 
 if __name__ == "__main__":

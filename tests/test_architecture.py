@@ -231,14 +231,14 @@ def shared_fixtures_in_tests():
 
 
 def test_every_shared_fixture_keeps_its_tests_on_one_worker():
-    from tests import conftest
+    from tests import scheduling
 
     found = shared_fixtures_in_tests()
-    assert "digits_main_job" in found and "digits_main_job" in found["digits_run"]
-    shared = set(conftest.SHARED_FIXTURES)
-    # A fixture built on a listed one (test_export's digits_run on digits_main_job) is grouped with it.
+    assert "digits_main_job" in found and "digits_model" in found["digits_exports"]
+    shared = set(scheduling.SHARED_FIXTURES) | {"environment_children"}  # The children: grouped by environment.
+    # A fixture built on a listed one (test_export's digits_exports on digits_model) is grouped with it.
     missing = {name for name, arguments in found.items() if name not in shared and not arguments & shared}
-    assert not missing, f"module- or session-scoped fixtures missing from conftest.SHARED_FIXTURES: {missing}"
+    assert not missing, f"module- or session-scoped fixtures missing from scheduling.SHARED_FIXTURES: {missing}"
 
 
 @pytest.mark.slow
@@ -252,7 +252,7 @@ def test_tests_that_share_a_fixture_run_on_one_worker(tmp_path):
     log = tmp_path / "log"
     (tmp_path / "conftest.py").write_text(
         "import os, pytest\n"
-        "from tests.conftest import pytest_collection_modifyitems  # the suite's grouping\n"
+        "from tests.scheduling import pytest_collection_modifyitems  # the suite's grouping\n"
         "@pytest.fixture(scope='session')\n"
         "def digits_main_job():\n"
         f"    open({str(log)!r}, 'a').write('job ' + os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"

@@ -46,34 +46,11 @@ for args in json.loads(sys.argv[1]):
     print("=== " + " ".join(args), flush=True)
     cli.main(sys.argv)
 """
-# The JAX backend with TensorFlow hidden (as on a GPU machine without it): every `import tensorflow`
-# fails. Then `runs` (RUNS's loop, or the command line of `experiments.benchmark`).
-WITHOUT_TENSORFLOW = """
-import runpy, sys
-
-class HideTensorFlow:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "tensorflow":
-            raise ImportError(f"{name} is hidden")
-
-sys.meta_path.insert(0, HideTensorFlow())
-try:
-    if sys.argv[1].startswith("["):
-        exec(RUNS)
-    else:
-        sys.argv = ["benchmark"] + sys.argv[1:]
-        runpy.run_module("experiments.benchmark", run_name="__main__")
-finally:
-    print("TensorFlow imported:", "tensorflow" in sys.modules)
-""".replace("RUNS", repr(RUNS))
-
-
-def run_benchmarks(runs, without_tensorflow=False):
-    """{" ".join(args): its stdout} of each run of `runs` (lists of arguments), all in one process."""
-    script = WITHOUT_TENSORFLOW if without_tensorflow else RUNS
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **({"KERAS_BACKEND": "jax"} if without_tensorflow else {}))
+def run_benchmarks(runs):
+    """{" ".join(args): its stdout} of each run of `runs` (lists of arguments), all in one fresh process."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(runs)], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", RUNS, json.dumps(runs)], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -121,13 +98,13 @@ def test_flag_choices_are_the_library_s():
     assert all(set(config) <= names for config in cli.MODE_FLAGS.values())
 
 
+@pytest.mark.environment("jax_without_tensorflow")
 def test_benchmark_modes_that_need_tensorflow_say_so():
-    result = subprocess.run(
-        [sys.executable, "-c", WITHOUT_TENSORFLOW, "--variant=testing", "--mode=profile"],
-        cwd=ROOT, env=dict(os.environ, KERAS_BACKEND="jax"), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode != 0
-    assert "--mode=profile needs TensorFlow; without it --mode=infer, train and attention run." in result.stderr
+    for mode in cli.ANY_BACKEND_MODES:
+        cli.check_tensorflow(mode)  # Nothing to say.
+    with pytest.raises(SystemExit, match=r"--mode=profile needs TensorFlow; without it --mode=infer, train and "
+                                         r"attention run\."):  # fmt: skip
+        cli.check_tensorflow("profile")
 
 
 def test_benchmark_rejects_unknown_peers_and_names_the_missing_extra():
@@ -270,10 +247,12 @@ def test_the_input_table_shows_each_form_and_the_comparisons_of_the_last_input_r
 
 @pytest.fixture(scope="module")
 def tensorflow_runs(tmp_path_factory):
-    """Every TensorFlow mode but train_profile on the testing variant, one after the other in one
-    process, each appending its row to a results file that held one row: (outputs, rows, first row)."""
+    """Every TensorFlow mode on the testing variant, one after the other in one process, each but
+    train_profile appending its row to a results file that held one row: (outputs, rows, first row)."""
     path, first = seeded_results_file(tmp_path_factory.mktemp("results") / "cpu.jsonl")
-    runs = [
+    # train_profile first, with no row: it asks XLA to name its ops to the profiler, which XLA reads when it
+    # first compiles.
+    runs = [["--mode=train_profile", *TINY]] + [
         [f"--mode={mode}", *TINY, *(["--steps=2"] if mode in ("infer", "train") else []), f"--results_file={path}"]
         for mode in ("infer", "train", "attention", "patch_projection", "profile", "serving")
     ]
@@ -327,7 +306,7 @@ def test_throughput_benchmark_runs(tensorflow_runs, mode):
 def test_benchmark_appends_a_well_formed_row_per_run(tensorflow_runs):
     outputs, rows, first = tensorflow_runs
     assert rows[0] == first  # The row that was there, kept.
-    assert [row["mode"] for row in rows[1:]] == list(outputs)
+    assert [row["mode"] for row in rows[1:]] == [mode for mode in outputs if mode != "train_profile"]
     for row in rows[1:]:
         assert row["command"].startswith(f"python -m experiments.benchmark --mode={row['mode']} --variant=testing")
         assert row["config"]["variant"] == "testing" and row["config"]["repeats"] == 2
@@ -347,9 +326,9 @@ def test_benchmark_appends_a_well_formed_row_per_run(tensorflow_runs):
 
 
 @pytest.mark.slow
-def test_train_profile_splits_the_compiled_step_into_matmuls_and_layers():
+def test_train_profile_splits_the_compiled_step_into_matmuls_and_layers(tensorflow_runs):
     """That it works and accounts for the step, not how fast."""
-    stdout = run_module("experiments.benchmark", "--mode=train_profile", *TINY)
+    stdout = tensorflow_runs[0]["train_profile"]
     row = r"^  (\S.*?)\s+[\d.]+ ms\s+([\d.]+)%$"
     shares = {name.strip(): float(share) for name, share in re.findall(row, stdout, re.M)}
     # Every part of the step had ops that the profiler timed, and the parts add up.
@@ -380,20 +359,46 @@ def test_attention_benchmark_runs(tensorflow_runs):
     assert largest > 0 and difference <= 1e-5 * max(1.0, largest)
 
 
+def run_benchmarks_here(runs):
+    """RUNS's loop in this process (a child of tests/environments.py, whose absl registry is its own):
+    ({" ".join(args): its stdout}, the whole stdout)."""
+    import contextlib
+    import io
+
+    if "mode" not in flags.FLAGS:
+        cli.define_flags()
+    printed, argv = io.StringIO(), sys.argv
+    try:
+        with contextlib.redirect_stdout(printed):
+            for args in runs:
+                sys.argv = ["benchmark", *args]
+                flags.FLAGS.unparse_flags()
+                flags.FLAGS(sys.argv)
+                print("=== " + " ".join(args), flush=True)
+                cli.main(sys.argv)
+    finally:
+        sys.argv = argv
+    parts = re.split(r"^=== (.*)\n", printed.getvalue(), flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2])), printed.getvalue()
+
+
 @pytest.fixture(scope="module")
 def jax_runs(tmp_path_factory):
-    """infer, train and attention on JAX with TensorFlow hidden, in one process; attention appends its
-    row to a results file: (outputs by mode, whole stdout, rows)."""
+    """infer, train and attention on JAX with TensorFlow hidden (the jax_without_tensorflow child), one after
+    the other; attention appends its row to a results file: (outputs by mode, whole stdout, rows)."""
     path = tmp_path_factory.mktemp("jax_results") / "cpu.jsonl"
     runs = [
         [f"--mode={mode}", *TINY, "--steps=2", *([f"--results_file={path}"] if mode == "attention" else [])]
         for mode in ("infer", "train", "attention")
     ]
-    outputs, stdout = run_benchmarks(runs, without_tensorflow=True)
+    outputs, stdout = run_benchmarks_here(runs)
+    assert list(outputs) == [" ".join(args) for args in runs], stdout[-3000:]
+    stdout += f"TensorFlow imported: {'tensorflow' in sys.modules}"
     return {args[0].removeprefix("--mode="): outputs[" ".join(args)] for args in runs}, stdout, results.read_rows(path)
 
 
 @pytest.mark.slow
+@pytest.mark.environment("jax_without_tensorflow")
 @pytest.mark.parametrize("mode", ["infer", "train", "attention"])
 def test_benchmark_on_jax_without_tensorflow(jax_runs, mode):
     """The model, `predict`/`fit` and the benchmark run on JAX with no TensorFlow importable; the

@@ -1,11 +1,8 @@
 """Canaries for keras_vit.compat: each fails, naming the API and the versions, when a private API it uses changes."""
 
-import json
 import os
 import pathlib
 import platform
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -60,52 +57,42 @@ def test_every_entry_is_in_the_table_and_names_its_versions():
 # === oneDNN and XLA probes ===
 
 
-ONEDNN_SCRIPT = """
-import json
-import numpy as np
-import tensorflow as tf
-from keras_vit import compat
-from keras_vit.kernels.tf_cpu import layer_norm_for_inference
+def onednn_probe():
+    """Whether oneDNN is on in this process and, where it is, the error and optimised op types of the kernels
+    layer's FusedBatchNormV3 form of the layer norm."""
+    from keras_vit.kernels.tf_cpu import layer_norm_for_inference
 
-result = {"onednn": compat.onednn_enabled()}
-if result["onednn"]:
-    rng = np.random.default_rng(0)
-    gamma = tf.constant(rng.normal(1.0, 0.2, 8).astype("float32"))
-    beta = tf.constant(rng.normal(0.0, 0.2, 8).astype("float32"))
-    function = tf.function(lambda x: layer_norm_for_inference(x, gamma, beta, 1e-6)).get_concrete_function(
-        tf.TensorSpec([None, 5, 8])
-    )
-    # The pattern is a layer norm.
-    x = rng.normal(0.0, 2.0, (3, 5, 8)).astype("float32")
-    expected = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6) * gamma + beta
-    result["error"] = float(np.abs(function(tf.constant(x)).numpy() - expected).max())
-    result["ops"] = dict(compat.grappler_op_types(function))
-print(json.dumps(result))
-"""
-
-
-def run_with_onednn(setting):
-    """ONEDNN_SCRIPT's result in a fresh interpreter with TF_ENABLE_ONEDNN_OPTS=setting."""
-    result = subprocess.run(
-        [sys.executable, "-c", ONEDNN_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, TF_ENABLE_ONEDNN_OPTS=setting, TF_CPP_MIN_LOG_LEVEL="2"),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    result = {"onednn": compat.onednn_enabled()}
+    if result["onednn"]:
+        rng = np.random.default_rng(0)
+        gamma = tf.constant(rng.normal(1.0, 0.2, 8).astype("float32"))
+        beta = tf.constant(rng.normal(0.0, 0.2, 8).astype("float32"))
+        function = tf.function(lambda x: layer_norm_for_inference(x, gamma, beta, 1e-6)).get_concrete_function(
+            tf.TensorSpec([None, 5, 8])
+        )
+        # The pattern is a layer norm.
+        x = rng.normal(0.0, 2.0, (3, 5, 8)).astype("float32")
+        expected = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6) * gamma + beta
+        result["error"] = float(np.abs(function(tf.constant(x)).numpy() - expected).max())
+        result["ops"] = dict(compat.grappler_op_types(function))
+    return result
 
 
 @pytest.mark.skipif(
     platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"),
     reason="TensorFlow's wheels are built with oneDNN on x86-64 Linux only",
 )
-@pytest.mark.slow
-def test_onednn_enabled_follows_tensorflows_onednn_switch():
+@pytest.mark.parametrize("setting, expected", [
+    pytest.param("1", True, marks=pytest.mark.environment("onednn_on")),
+    pytest.param("0", False, marks=pytest.mark.environment("onednn_off")),
+])
+def test_onednn_enabled_follows_tensorflows_onednn_switch(setting, expected):
     """Built with oneDNN, TensorFlow runs it by default on some CPUs only; TF_ENABLE_ONEDNN_OPTS decides first."""
-    for setting, expected in (("1", True), ("0", False)):
-        assert run_with_onednn(setting)["onednn"] is expected, (
-            f"keras_vit.compat.onednn_enabled() is not {expected} with TF_ENABLE_ONEDNN_OPTS={setting} on "
-            f"x86-64 Linux ({versions()}): IsMklEnabled no longer answers the question."
-        )
+    assert os.environ.get("TF_ENABLE_ONEDNN_OPTS") == setting  # this test's child
+    assert onednn_probe()["onednn"] is expected, (
+        f"keras_vit.compat.onednn_enabled() is not {expected} with TF_ENABLE_ONEDNN_OPTS={setting} on "
+        f"x86-64 Linux ({versions()}): IsMklEnabled no longer answers the question."
+    )
 
 
 def test_in_xla_context_is_true_only_in_xla_compiled_functions():
@@ -173,10 +160,12 @@ def test_grappler_op_types_returns_the_optimised_graph():
         compat.grappler_op_types(scaled)
 
 
+@pytest.mark.environment("onednn_on")
 def test_grappler_rewrites_the_batch_norm_layer_norm_into_onednn_layer_norm():
     """With oneDNN on (forced, as CPUs without AVX-512 leave it off), Grappler fuses the kernels layer's
     FusedBatchNormV3 form of the layer norm (`tf_cpu.layer_norm_for_inference`) into one op."""
-    result = run_with_onednn("1")
+    assert os.environ["TF_ENABLE_ONEDNN_OPTS"] == "1"
+    result = onednn_probe()
     if not result["onednn"]:
         pytest.skip("TensorFlow built without oneDNN: Grappler has no oneDNN layer norm to rewrite into")
     assert result["error"] < 1e-5, result

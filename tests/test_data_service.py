@@ -169,7 +169,7 @@ def test_training_through_the_service_runs_the_same_steps(deployed, tmp_path):
         config = digits.get_config()
         config.dataset = f"folder:{root}"
         config.image_size, config.batch_size, config.epochs, config.warmup_epochs = 16, 4, 2, 1
-        config.model.patch_size, config.model.num_layers = 4, 1
+        config.model.update(patch_size=4, num_layers=1, hidden_dim=16, mlp_dim=32, num_heads=2)
         config.jit_compile = "off"
         config.verbose = 0
         config.data_service = data_service

@@ -23,7 +23,7 @@ from keras_vit.distribute import get_strategy
 strategy = get_strategy("multi_worker")
 config = digits.get_config()
 config.epochs, config.visualize = 1, False  # the defaults otherwise, XLA as "auto" picks it
-config.model.num_layers = 1
+config.model.update(num_layers=1, hidden_dim=16, mlp_dim=32, num_heads=2)  # a small model: the sync is checked
 metrics = train.train_and_evaluate(config, sys.argv[1], strategy)
 print("METRICS " + json.dumps(metrics))
 """

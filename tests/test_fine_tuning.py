@@ -3,9 +3,6 @@ each against what it stands for (the large batch, a NumPy average, Keras' AdamW 
 alone and together, with clipping, mixed precision, MixUp/CutMix, two replicas and a resumed run."""
 
 import json
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -14,9 +11,7 @@ import tensorflow as tf
 
 import keras_vit
 from keras_vit import backups, training
-from tests.conftest import ROOT
 from tests.test_backups import StopAfter
-from tests.test_mixing import run_child
 
 IMAGES = np.random.default_rng(0).integers(0, 256, size=(64, 16, 16, 3)).astype("uint8")
 LABELS = np.eye(4, dtype="float32")[np.arange(64) % 4]
@@ -270,51 +265,45 @@ def test_a_resumed_run_with_everything_on_ends_as_the_uninterrupted_one(tmp_path
     assert_same_weights(weights(resumed), weights(uninterrupted), atol=1e-6)
 
 
-MIRRORED_SCRIPT = """
-import json, sys
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras
-from tests import test_fine_tuning as t
-from keras_vit import training
-keras.mixed_precision.set_global_policy(sys.argv[1])
-one_device = tf.distribute.OneDeviceStrategy("/cpu:0")
-mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-unmixed = dict(t.ALL, mixup=0.0, cutmix=0.0)
-results = {}
-for name, strategy, options in (
-    ("one_device", one_device, dict(unmixed, accumulation=1)),
-    ("mirrored", mirrored, unmixed),
-    # Each replica mixes its own share of the batch: with MixUp/CutMix, compared with two replicas.
-    ("mirrored_mixing", mirrored, dict(t.ALL, accumulation=1)),
-    ("mirrored_mixing_accumulating", mirrored, t.ALL),
-):
-    with strategy.scope():
-        model = t.make_model(**options)
-    ema = training.EMAWeights()
-    model.fit(t.batches(16), epochs=2, verbose=0, shuffle=False, validation_data=t.batches(32),
-              callbacks=[ema, ema.restorer()])
-    results[name] = [w.numpy().tolist() for w in model.weights]
-    results[name + "_steps"] = int(model.optimizer.iterations.numpy())
-print(json.dumps(results))
-"""
+@pytest.fixture(scope="module")
+def replica_runs(two_replicas):
+    """Runs on one device and on two replicas (the two_cpus child), float32 and mixed_bfloat16: EMA, layer
+    decay, clipping, with and without accumulation and MixUp/CutMix. {precision: {run: weights, run_steps}}."""
+    one_device = tf.distribute.OneDeviceStrategy("/cpu:0")
+    mirrored = two_replicas
+    unmixed = dict(ALL, mixup=0.0, cutmix=0.0)
+    runs = {}
+    for precision in ("float32", "mixed_bfloat16"):
+        keras.mixed_precision.set_global_policy(precision)
+        results = runs[precision] = {}
+        for name, strategy, options in (
+            ("one_device", one_device, dict(unmixed, accumulation=1)),
+            ("mirrored", mirrored, unmixed),
+            # Each replica mixes its own share of the batch: with MixUp/CutMix, compared with two replicas.
+            ("mirrored_mixing", mirrored, dict(ALL, accumulation=1)),
+            ("mirrored_mixing_accumulating", mirrored, ALL),
+        ):
+            with strategy.scope():
+                model = make_model(**options)
+            ema = training.EMAWeights()
+            model.fit(batches(16), epochs=2, verbose=0, shuffle=False, validation_data=batches(32),
+                      callbacks=[ema, ema.restorer()])  # fmt: skip
+            results[name] = weights(model)
+            results[name + "_steps"] = int(model.optimizer.iterations.numpy())
+    keras.mixed_precision.set_global_policy("float32")
+    return runs
 
 
 @pytest.mark.slow
+@pytest.mark.environment("two_cpus")
 @pytest.mark.parametrize("precision", ["float32", "mixed_bfloat16"])
-def test_two_replicas_accumulating_make_the_large_batch_update(precision):
+def test_two_replicas_accumulating_make_the_large_batch_update(replica_runs, precision):
     """EMA, layer decay, clipping and accumulation together: two replicas accumulating two micro-batches each
     update as one device does with the whole batch, and with MixUp/CutMix as two replicas do without
     accumulating."""
-    result = subprocess.run(
-        [sys.executable, "-c", MIRRORED_SCRIPT, precision], cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads(result.stdout.strip().splitlines()[-1])
+    results = replica_runs[precision]
     assert {results[k] for k in results if k.endswith("_steps")} == {8}
-    run = {k: [np.asarray(w) for w in v] for k, v in results.items() if not k.endswith("_steps")}
+    run = {k: v for k, v in results.items() if not k.endswith("_steps")}
     # bfloat16 activations: micro-batches of 4 round otherwise than batches of 8 or 16.
     atol = 2e-6 if precision == "float32" else 5e-3
     assert_same_weights(run["mirrored"], run["one_device"], atol)
@@ -322,31 +311,26 @@ def test_two_replicas_accumulating_make_the_large_batch_update(precision):
 
 
 @pytest.mark.slow
+@pytest.mark.environment("jax")
 def test_jax_accumulating_makes_the_large_batch_update_on_one_device_and_data_parallel():
-    result = run_child(
-        """
-        import jax, keras
-        import numpy as np
-        from keras_vit import training
-        from tests import test_fine_tuning as t
-        assert keras.backend.backend() == "jax" and len(jax.devices()) == 2
-        results = {}
+    import jax
+
+    assert keras.backend.backend() == "jax" and len(jax.devices()) == 2
+    run, steps = {}, {}
+    try:
         for distribution in (None, keras.distribution.DataParallel()):
             keras.distribution.set_distribution(distribution)
-            for steps in (1, 2):
-                model = t.make_model(**dict(t.ALL, accumulation=steps), jit_compile=True)
+            for accumulation in (1, 2):
+                model = make_model(**dict(ALL, accumulation=accumulation), jit_compile=True)
                 ema = training.EMAWeights()
-                model.fit(t.IMAGES, t.LABELS, batch_size=16, epochs=2, shuffle=False, verbose=0,
-                          callbacks=[ema, ema.restorer()])
-                key = f"{'data_parallel' if distribution else 'one_device'}_{steps}"
-                results[key] = [np.asarray(w).tolist() for w in model.weights]
-                results[key + "_steps"] = int(np.asarray(model.optimizer.iterations))
-        print(json.dumps(results))
-        """,
-        env={"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
-    )
-    assert {result[k] for k in result if k.endswith("_steps")} == {8}
-    run = {k: [np.asarray(w) for w in v] for k, v in result.items() if not k.endswith("_steps")}
+                model.fit(IMAGES, LABELS, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                          callbacks=[ema, ema.restorer()])  # fmt: skip
+                key = f"{'data_parallel' if distribution else 'one_device'}_{accumulation}"
+                run[key] = [np.asarray(w) for w in model.weights]
+                steps[key] = int(np.asarray(model.optimizer.iterations))
+    finally:
+        keras.distribution.set_distribution(None)
+    assert set(steps.values()) == {8}
     assert_same_weights(run["one_device_2"], run["one_device_1"], atol=2e-6)
     # Data parallel: each device mixes and splits its own half of the batch.
     assert_same_weights(run["data_parallel_2"], run["data_parallel_1"], atol=2e-6)
@@ -368,32 +352,34 @@ def job_config():
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_the_job_validates_keeps_and_reports_the_average_and_resumes_with_everything_on(tmp_path):
+    """Killed after its first epoch and started again, the job finishes from its backup and reports, keeps and
+    saves what it validated: the moving average (the exact state of all three is
+    test_a_resumed_run_with_everything_on_ends_as_the_uninterrupted_one's: the job's input pipeline starts
+    its shuffling over, so the order of the examples differs after a restart)."""
+    import csv
+
     from experiments import train
 
     config = job_config()
+    with pytest.raises(KeyboardInterrupt):
+        train.train_and_evaluate(config, str(tmp_path / "run"), callbacks=[StopAfter(0)])
     metrics = train.train_and_evaluate(config, str(tmp_path / "run"))
     history = json.loads((tmp_path / "run" / "history.json").read_text())
-    # One update per batch of 64 (two micro-batches of 32 each).
-    assert metrics["steps"] == 2 * (1293 // 64)
+    # One update per batch of 64 (two micro-batches of 32 each), as many as an uninterrupted run's.
+    assert metrics["steps"] == 2 * (1293 // 64) and len(history["val_accuracy"]) == 1
     # What was validated each epoch is what the job ends with and keeps as best.keras: the moving average.
     assert metrics["validation_loss"] == pytest.approx(history["val_loss"][-1], rel=1e-5)
-    best_epoch = int(np.argmax(history["val_accuracy"]))  # The first of equals: saved on improvement only.
-    assert metrics["best_validation_loss"] == pytest.approx(history["val_loss"][best_epoch], rel=1e-5)
+    with open(tmp_path / "run" / "log.csv") as f:
+        epochs = list(csv.DictReader(f))  # both processes' epochs
+    assert [row["epoch"] for row in epochs] == ["0", "1"]
+    accuracies = [float(row["val_accuracy"]) for row in epochs]
+    best_epoch = int(np.argmax(accuracies))  # The first of equals: saved on improvement only.
+    assert metrics["best_validation_loss"] == pytest.approx(float(epochs[best_epoch]["val_loss"]), rel=1e-5)
     saved = keras.saving.load_model(tmp_path / "run" / "model.keras")
     assert saved.optimizer.use_ema and set(saved.optimizer.learning_rate_scales.values()) == {
         1.0, 0.75, 0.75**2, 0.75**3
     }
-    # Killed after its first epoch and started again, the run finishes from its backup (the exact state of
-    # all three is test_a_resumed_run_with_everything_on_ends_as_the_uninterrupted_one's: the job's input
-    # pipeline starts its shuffling over, so the order of the examples differs after a restart).
-    with pytest.raises(KeyboardInterrupt):
-        train.train_and_evaluate(config, str(tmp_path / "resumed"), callbacks=[StopAfter(0)])
-    resumed = train.train_and_evaluate(config, str(tmp_path / "resumed"))
-    resumed_history = json.loads((tmp_path / "resumed" / "history.json").read_text())
-    assert resumed["steps"] == metrics["steps"] and len(resumed_history["val_accuracy"]) == 1
-    assert resumed["validation_loss"] == pytest.approx(resumed_history["val_loss"][-1], rel=1e-5)
 
 
 def test_the_config_fields_are_checked():

@@ -53,16 +53,16 @@ def test_without_tensorflow_the_error_names_the_builds():
         assert build in last, last
 
 
-@pytest.mark.slow
+@pytest.mark.environment("jax_without_tensorflow")
 def test_the_model_runs_on_jax_without_tensorflow_and_the_input_pipeline_says_what_it_needs():
-    result = run_without_tensorflow(
-        "import numpy as np, keras_vit\n"
-        "model = keras_vit.build_vit('testing', image_size=16, num_classes=3)\n"
-        "print(model.predict(np.zeros((1, 16, 16, 3), 'uint8'), verbose=0).shape)\n"
-        "import keras_vit.data\n",
-        "jax",
-    )
-    assert "(1, 3)" in result.stdout, result.stderr[-2000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: keras_vit.data needs TensorFlow 2.20 or newer"), result.stderr[-2000:]
-    assert "tensorflow-tpu" in last
+    import numpy as np
+
+    import keras_vit
+
+    model = keras_vit.build_vit("testing", image_size=16, num_classes=3)
+    assert model.predict(np.zeros((1, 16, 16, 3), "uint8"), verbose=0).shape == (1, 3)
+    with pytest.raises(ImportError) as raised:
+        import keras_vit.data  # noqa: F401
+    message = str(raised.value)
+    assert message.startswith("keras_vit.data needs TensorFlow 2.20 or newer") and "tensorflow-tpu" in message
+    assert "tensorflow" not in sys.modules

@@ -1,5 +1,6 @@
 """keras_vit.kernels: each fast form against its reference form, and which form runs where."""
 
+import json
 import pathlib
 import re
 
@@ -12,6 +13,11 @@ from keras_vit import kernels
 from keras_vit.kernels import policy, reference
 
 tensorflow_only = pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow forms")
+# TensorFlow turns oneDNN on by default only on some CPUs: the tests of the forms it selects run here and again
+# in the onednn_on child (TF_ENABLE_ONEDNN_OPTS=1), where it is on whatever the CPU.
+HERE_AND_WITH_ONEDNN = pytest.mark.parametrize(
+    "process", ["here", pytest.param("with_onednn", marks=pytest.mark.environment("onednn_on"))]
+)
 
 
 def _rng(seed):
@@ -441,8 +447,9 @@ def test_dropout_masks_come_from_threefry_in_xla_compiled_cpu_steps(jit_compile)
 
 
 @tensorflow_only
+@HERE_AND_WITH_ONEDNN
 @pytest.mark.parametrize("onednn", [True, False])
-def test_each_cpu_form_is_chosen_where_the_table_says(monkeypatch, onednn):
+def test_each_cpu_form_is_chosen_where_the_table_says(monkeypatch, onednn, process):
     """The entry points' choices on TensorFlow on a CPU, with and without oneDNN."""
     import tensorflow as tf
 
@@ -480,7 +487,7 @@ def test_each_cpu_form_is_chosen_where_the_table_says(monkeypatch, onednn):
 
 
 def attention_under_a_simulated_tpu(out_dir):
-    """The child of the test below (Keras' JAX backend): attention at 197 and 256 tokens where
+    """Run by the test below (Keras' JAX backend, in its child): attention at 197 and 256 tokens where
     JAX's first device reports itself a TPU, with Splash (a Pallas TPU kernel) interpreted on
     the CPU, through keras_vit's entry point and through Keras' own route."""
     import json
@@ -566,15 +573,15 @@ def _explicit_attention(qkv, heads, causal=False, scale=True):
 
 
 @pytest.mark.slow
+@pytest.mark.environment("jax_without_tensorflow")
 def test_attention_on_a_tpu_never_takes_keras_splash_route(tmp_path):
     """On a (simulated) TPU keras_vit's attention is softmax(q k^T / sqrt(d)) v at 197 and 256
     tokens and asks Keras for no flash kernel; Keras' own route, the same call with
     flash_attention=None, runs Splash at 256 tokens (a multiple of its 128-row blocks) with a
     causal mask and no scaling: the function the guard in keras_vit/kernels/fused.py keeps out.
     The MAP head's cross-attention is guarded the same way. Float32 against float64: 1e-5."""
-    from tests.test_parallel import run_in_jax_child
-
-    results = run_in_jax_child("tests.test_kernels.attention_under_a_simulated_tpu", tmp_path, devices=1)
+    attention_under_a_simulated_tpu(tmp_path)
+    results = json.loads((tmp_path / "result.json").read_text())
     for tokens in ("197", "256"):
         result = results[tokens]
         qkv = np.asarray(result["qkv"], "float32")
@@ -691,7 +698,8 @@ def _traced_ops(run):
 
 @tensorflow_only
 @pytest.mark.slow
-def test_a_model_traced_on_a_cpu_then_for_an_accelerator_gets_no_cpu_forms(monkeypatch):
+@HERE_AND_WITH_ONEDNN
+def test_a_model_traced_on_a_cpu_then_for_an_accelerator_gets_no_cpu_forms(monkeypatch, process):
     """Keras' predict and a fit step, traced for the CPU (after an eager call), then traced again
     for a (simulated) GPU: the first graphs carry the CPU forms, the second none of them."""
     from keras_vit import compat
@@ -766,7 +774,8 @@ def test_the_name_of_the_calling_function_does_not_choose_the_kernels():
 
 
 @tensorflow_only
-def test_tensorflow_fuses_the_dense_forms_matmul_and_bias():
+@HERE_AND_WITH_ONEDNN
+def test_tensorflow_fuses_the_dense_forms_matmul_and_bias(process):
     """What `dense`'s 2-D MatMul + BiasAdd form is for: TensorFlow's optimiser runs each projection
     as one fused kernel, with the GELU inside it where oneDNN is on."""
     import keras_vit
@@ -782,32 +791,6 @@ def test_tensorflow_fuses_the_dense_forms_matmul_and_bias():
     assert ops.count(fused) == 4 and "BiasAdd" not in ops, ops  # QKV, attention output, MLP 1 and 2.
     if compat.onednn_enabled():
         assert "Erf" not in ops and ops.count("_MklLayerNorm") == 2, ops
-
-
-@pytest.mark.slow
-@tensorflow_only
-def test_the_onednn_forms_on_a_cpu_that_leaves_onednn_off():
-    """TensorFlow turns oneDNN on by default only on some CPUs: where it is off, the tests of the
-    forms it selects run again in a child process with TF_ENABLE_ONEDNN_OPTS=1."""
-    import os
-    import subprocess
-    import sys
-
-    from keras_vit import compat
-
-    if compat.onednn_enabled():
-        pytest.skip("oneDNN is on here: the tests above ran its forms")
-    tests = ["table", "fuses", "traced_on_a_cpu_then"]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", " or ".join(tests)],
-        cwd=pathlib.Path(__file__).parents[1],
-        env=dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert re.search(r"\b4 passed\b", result.stdout), result.stdout[-2000:]
 
 
 # === cuDNN attention on padded tokens (JAX on an NVIDIA GPU) ===
@@ -873,8 +856,8 @@ def test_padded_attention_is_the_unpadded_attention_with_its_gradients(queries, 
 
 
 def attention_under_a_simulated_gpu(out_dir):
-    """The child of the test below (Keras' JAX backend on the CPU, JAX's default backend reported
-    as "gpu"): which attention call each case makes, with JAX's cuDNN calls run by its XLA
+    """Run by the test below (Keras' JAX backend on the CPU, in its child, JAX's default backend
+    reported as "gpu"): which attention call each case makes, with JAX's cuDNN calls run by its XLA
     implementation; the outputs and a training step's gradients of a model with a MAP head against
     the reference form; the model's forward pass traced on the GPU, then on the CPU; and what
     happens where cuDNN is refused (the real cuDNN call on a CPU)."""
@@ -1008,6 +991,7 @@ def attention_under_a_simulated_gpu(out_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.environment("jax_without_tensorflow")
 def test_on_a_gpu_jax_runs_cudnn_attention_on_padded_tokens(tmp_path):
     """On a (simulated) GPU under JAX, 16-bit attention is cuDNN's on tokens padded to a multiple
     of 64 with the real count as the keys' length, for inference and training; float32 and head
@@ -1016,9 +1000,8 @@ def test_on_a_gpu_jax_runs_cudnn_attention_on_padded_tokens(tmp_path):
     training gradients match the reference form within bfloat16 rounding; traced again with the CPU
     as JAX's backend, the model runs the reference forms; where cuDNN is refused the fallback says
     so at debug level, each time."""
-    from tests.test_parallel import run_in_jax_child
-
-    results = run_in_jax_child("tests.test_kernels.attention_under_a_simulated_gpu", tmp_path, devices=1)
+    attention_under_a_simulated_gpu(tmp_path)
+    results = json.loads((tmp_path / "result.json").read_text())
     assert results["bfloat16 197"]["calls"] == [["jax", "cudnn", 256, 256, 197]]
     assert results["bfloat16 197 training"]["calls"] == [["jax", "cudnn", 256, 256, 197]]
     assert results["float16 128"]["calls"] == [["jax", "cudnn", 128, 128, None]]  # Already a multiple: no mask.

@@ -4,11 +4,7 @@ save/reload."""
 
 import contextlib
 import doctest
-import json
-import os
-import subprocess
-import sys
-import textwrap
+import re
 
 import keras
 import numpy as np
@@ -19,7 +15,6 @@ import tensorflow as tf
 import keras_vit
 from keras_vit import mixing
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # float32 rounding of a blend of 0 and 255 divided by 255, and of area fractions.
 TOL = 1e-5
 
@@ -287,42 +282,13 @@ def test_resumed_fit_continues_the_mixing_sequence(tmp_path):
     np.testing.assert_allclose(histories[0]["label_max"] + histories[1]["label_max"], expected, atol=1e-6)
 
 
-def run_child(script, env=None):
-    """Runs the fit check in a fresh Python (a backend or device set before import); its JSON result."""
-    source = "\n".join(
-        [
-            "import contextlib, json, sys",
-            f"sys.path.insert(0, {ROOT!r})",
-            textwrap.dedent(script),
-        ]
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", source],
-        cwd=ROOT,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {})),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.slow
-def test_fit_mirrored_strategy_two_replicas():
-    result = run_child(
-        """
-        import tensorflow as tf
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-        from tests.test_mixing import fit_check
-        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-        assert strategy.num_replicas_in_sync == 2
-        # Without XLA: Keras' XLA step under MirroredStrategy on logical devices of one CPU fails
-        # without mixing too (a replica's variable read from the other device).
-        print(json.dumps(fit_check(strategy_scope=strategy.scope(), groups=2, jit_compile=False)))
-        """
-    )
+@pytest.mark.environment("two_cpus")
+def test_fit_mirrored_strategy_two_replicas(two_replicas):
+    strategy = two_replicas
+    # Without XLA: Keras' XLA step under MirroredStrategy on logical devices of one CPU fails
+    # without mixing too (a replica's variable read from the other device).
+    result = fit_check(strategy_scope=strategy.scope(), groups=2, jit_compile=False)
     # Each replica pairs within its half of the batch: the expected sequence is that of groups=2,
     # which differs from the whole batch's.
     check_fit(result)
@@ -376,36 +342,31 @@ def test_vit_fit_save_reload_predicts_the_same(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.environment("jax")
 def test_fit_jax_plain_and_data_parallel():
-    result = run_child(
-        """
-        import jax, keras
-        from tests.test_mixing import fit_check, numpy_data
-        assert keras.backend.backend() == "jax" and len(jax.devices()) == 2
-        results = {"plain": fit_check(numpy_data)}
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    assert keras.backend.backend() == "jax" and len(jax.devices()) == 2
+    result = {"plain": fit_check(numpy_data)}
+    try:
         keras.distribution.set_distribution(keras.distribution.DataParallel())
-        results["data_parallel"] = fit_check(numpy_data, groups=2)
-        # The collectives XLA adds to the mixing of a batch sharded over the 2 devices.
-        import re
-        from jax.sharding import NamedSharding, PartitionSpec
-        from keras_vit import mixing
-        from tests.test_mixing import FIT_CLASSES, one_hot_pixels
-        sharding = NamedSharding(jax.sharding.Mesh(jax.devices(), ("batch",)), PartitionSpec("batch"))
-        batch = [jax.device_put(array, sharding) for array in one_hot_pixels(FIT_CLASSES, 4)]
-        mixer = mixing.BatchMixer(mixup_alpha=0.8, cutmix_alpha=1.0, seed=0)
-        results["collectives"] = {}
-        for groups in (1, 2):
-            step = jax.jit(lambda x, y: mixer(x, y, 0, groups=groups), out_shardings=(sharding, sharding))
-            hlo = step.lower(*batch).compile().as_text()
-            results["collectives"][groups] = sorted(set(re.findall(r"collective-permute|all-to-all|all-gather", hlo)))
-        print(json.dumps(results))
-        """,
-        env={"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
-    )
+        result["data_parallel"] = fit_check(numpy_data, groups=2)
+    finally:
+        keras.distribution.set_distribution(None)
+    # The collectives XLA adds to the mixing of a batch sharded over the 2 devices.
+    sharding = NamedSharding(jax.sharding.Mesh(jax.devices(), ("batch",)), PartitionSpec("batch"))
+    batch = [jax.device_put(array, sharding) for array in one_hot_pixels(FIT_CLASSES, 4)]
+    mixer = mixing.BatchMixer(mixup_alpha=0.8, cutmix_alpha=1.0, seed=0)
+    collectives = {}
+    for groups in (1, 2):
+        step = jax.jit(lambda x, y, g=groups: mixer(x, y, 0, groups=g), out_shardings=(sharding, sharding))
+        hlo = step.lower(*batch).compile().as_text()
+        collectives[groups] = sorted(set(re.findall(r"collective-permute|all-to-all|all-gather", hlo)))
     check_fit(result["plain"])
     # Under DataParallel each device's half is reversed on its own.
     check_fit(result["data_parallel"])
     assert not np.allclose(result["data_parallel"]["expected"], result["plain"]["expected"])
     # Reversing within each device's shard needs no transfer between the devices; reversing the
     # whole batch would.
-    assert result["collectives"] == {"1": ["collective-permute"], "2": []}
+    assert collectives == {1: ["collective-permute"], 2: []}

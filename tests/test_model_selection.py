@@ -315,24 +315,15 @@ def check_model_selection(reads, validation_epochs):
     assert validation_epochs == sorted(validation_epochs, key=lambda epoch: 2 if epoch is None else epoch)
 
 
-def test_the_job_reads_the_test_split_only_after_training(tmp_path, monkeypatch):
-    """Every read of the test split is recorded with whether training was over: the job fails this test if it
-    builds the test pipeline, or reads one test image, before `fit` returns.  The validation split is read
-    in each epoch (where best.keras is chosen), and then for the final and the best model."""
-    config = tiny_digits_config(epochs=2)
-    config.visualize, config.model.hidden_dim, config.model.mlp_dim = False, 8, 8
-    metrics, reads, validation_epochs = run_watched(config, tmp_path / "run", monkeypatch)
-    check_model_selection(reads, validation_epochs)
-    assert (metrics["train_examples"], metrics["validation_examples"], metrics["test_examples"]) == (1293, 144, 360)
-    assert {"test_accuracy", "best_test_accuracy", "validation_accuracy", "best_validation_accuracy"} <= set(metrics)
-
-
 @pytest.mark.slow
 def test_the_job_reports_the_final_and_the_best_model_on_each_split_and_on_the_extra_test_sets(
     tmp_path, monkeypatch
 ):
-    """The figures of metrics.json, recomputed from model.keras and best.keras; the splits named.  Extra test
-    sets (ImageNet-v2 and ReaL-like, made here) are evaluated for both models; one that is absent is skipped."""
+    """Every read of the test split is recorded with whether training was over: the job fails this test if it
+    builds the test pipeline, or reads one test image, before `fit` returns.  The validation split is read
+    in each epoch (where best.keras is chosen), and then for the final and the best model.  The figures of
+    metrics.json, recomputed from model.keras and best.keras; the splits named.  Extra test sets (ImageNet-v2
+    and ReaL-like, made here) are evaluated for both models; one that is absent is skipped."""
     digits = vit_data.load_digits(image_size=16)
     images, labels = digits.test.images[:40], digits.test.labels[:40]
     data_dir, real = prepare_evaluation_sets(tmp_path, images, labels)

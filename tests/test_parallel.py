@@ -4,8 +4,6 @@ a mesh of 8 (simulated) CPU devices, data parallel and tensor parallel by heads.
 import json
 import os
 import re
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -93,37 +91,7 @@ def test_make_distribution_errors_name_what_was_received():
         parallel.make_distribution("model_parallel", (4, 2), config="Ti/16", devices=DEVICES)
 
 
-# === Training on 8 devices (a JAX child process) ===
-
-
-def run_in_jax_child(function, out_dir, devices=8, timeout=600):
-    """Runs `function(out_dir)` (a function of a module under tests/, by its dotted name) in a
-    child process on Keras' JAX backend with `devices` CPU devices and TensorFlow hidden.
-
-    The backend and the device count must be set before JAX is imported, hence the child.
-    TensorFlow is hidden as on a JAX machine without it, which also spares its import."""
-    module, name = function.rsplit(".", 1)
-    code = (
-        "import sys\n"
-        "class Hide:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] == 'tensorflow':\n"
-        "            raise ImportError(name + ' is hidden')\n"
-        "sys.meta_path.insert(0, Hide())\n"
-        f"from {module} import {name}\n"
-        f"{name}(sys.argv[1])\n"
-    )
-    env = dict(
-        os.environ,
-        KERAS_BACKEND="jax",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        TF_CPP_MIN_LOG_LEVEL="2",
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code, str(out_dir)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return json.loads((out_dir / "result.json").read_text())
+# === Training on 8 devices (Keras' JAX backend, in the jax_without_tensorflow child) ===
 
 
 IMAGE_SIZE, PATCH, HIDDEN, HEADS, MLP, LAYERS, CLASSES = 8, 2, 32, 4, 64, 2, 10
@@ -168,7 +136,7 @@ def _axes(spec, rank):
 
 
 def train_on_eight_devices(out_dir):
-    """The child: the same tiny ViT, weights and batches trained with `fit` on one device, data
+    """The same tiny ViT, weights and batches trained with `fit` on one device, data
     parallel over 8 and model parallel over (2 batch, 4 model); writes the per-step losses,
     final weights, variable layouts and the compiled model-parallel step's HLO."""
     import pathlib
@@ -294,8 +262,10 @@ def test_collectives_are_read_from_hlo_text():
 
 
 @pytest.mark.slow
+@pytest.mark.environment("jax_without_tensorflow")
 def test_data_and_model_parallel_training_match_one_device_and_shard_attention_by_heads(tmp_path):
-    result = run_in_jax_child("tests.test_parallel.train_on_eight_devices", tmp_path)
+    train_on_eight_devices(tmp_path)
+    result = json.loads((tmp_path / "result.json").read_text())
     assert result["devices"] == 8
     assert result["default_meshes"] == [[8], [1, 8], [4, 2]]  # S/16: 6 heads, so 2 on "model".
 

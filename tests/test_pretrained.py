@@ -19,8 +19,8 @@ from keras_vit.checkpoints.resample import interpolation_matrix
 from keras_vit.layers.embedding import antialiased_bicubic_weights
 from keras_vit.pretrained import PretrainedError
 from tests import numpy_vit
-from tests.conftest import random_images, randomize_weights
-from tests.test_export import ROOT, serve
+from tests.conftest import random_images, randomize_weights, run_command_line
+from tests.test_export import serve_all
 from tests.test_timm_weights import timm_python
 from tests.test_transformers_weights import CLASSES, HEADS, LAYERS, MLP, PATCH, SIDE, D, hand_written_state_dict
 from tests.test_transformers_weights import numpy_params as transformers_numpy_params
@@ -328,10 +328,17 @@ def test_the_savedmodel_serves_with_the_weights_preprocessing_labels_and_any_siz
     timm_folder(tmp_path / "deit")
     model = keras_vit.from_pretrained(tmp_path / "deit", image_size="dynamic")
     export_saved_model(model, tmp_path / "saved")
+    # TFLite keeps the size the weights were made for.
+    export_tflite(model, tmp_path / "model.tflite")
     photos = [tf.io.encode_png(random_images(shape, seed=9).astype(np.uint8)).numpy()
               for shape in ((41, 97, 3), (75, 50, 3))]
     other_size = random_images((2, 40, 16, 3), seed=10).astype(np.uint8)
-    out = serve("saved_model", tmp_path / "saved", tmp_path, images=other_size, encoded=np.array(photos))
+    images = random_images((2, SIDE, SIDE, 3), seed=11).astype(np.uint8)
+    served = serve_all({
+        "saved_model": ("saved_model", tmp_path / "saved", {"images": other_size, "encoded": np.array(photos)}),
+        "tflite": ("tflite", tmp_path / "model.tflite", {"images": images}),
+    }, tmp_path / "serving")  # fmt: skip
+    out = served["saved_model"]
     # Any size for raw pixels; the weights' resize and crop (timm's crop_pct, bicubic) for encoded photos.
     np.testing.assert_allclose(out["images_logits"], model.predict(other_size, verbose=0), atol=1e-5)
     prepared = np.stack([model.preprocessing(decode_image(photo)).numpy() for photo in photos])
@@ -339,11 +346,7 @@ def test_the_savedmodel_serves_with_the_weights_preprocessing_labels_and_any_siz
     np.testing.assert_allclose(out["bytes_logits"], expected, atol=1e-5)
     np.testing.assert_array_equal(out["bytes_top_k_names"][:, 0].astype(str),
                                   np.array(model.class_names)[expected.argmax(-1)])
-    # TFLite keeps the size the weights were made for.
-    export_tflite(model, tmp_path / "model.tflite")
-    images = random_images((2, SIDE, SIDE, 3), seed=11).astype(np.uint8)
-    out = serve("tflite", tmp_path / "model.tflite", tmp_path, images=images)
-    np.testing.assert_allclose(out["logits"], model.predict(images, verbose=0), atol=1e-4)
+    np.testing.assert_allclose(served["tflite"]["logits"], model.predict(images, verbose=0), atol=1e-4)
 
 
 # === Parity with timm and transformers themselves ===
@@ -497,18 +500,13 @@ def test_transformers_reads_what_save_transformers_writes(torch_reference):
 
 @pytest.mark.slow
 def test_the_export_job_exports_pretrained_weights_by_name(tmp_path):
-    import sys
     from types import SimpleNamespace
 
     from experiments import export as export_job
 
     transformers_folder(tmp_path / "vit")
-    result = subprocess.run(
-        [sys.executable, "-m", "experiments.export", f"--pretrained={tmp_path / 'vit'}", f"--out={tmp_path / 'sm'}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "top-1 agreement 100.0%" in result.stdout and (tmp_path / "sm" / "saved_model.pb").exists()
+    printed = run_command_line("experiments.export", f"--pretrained={tmp_path / 'vit'}", f"--out={tmp_path / 'sm'}")
+    assert "top-1 agreement 100.0%" in printed and (tmp_path / "sm" / "saved_model.pb").exists()
     both = SimpleNamespace(model=SimpleNamespace(value="m.keras"), pretrained=SimpleNamespace(value="google/vit"))
     with pytest.raises(ValueError, match="Give one of --model and --pretrained"):
         export_job.main(both)

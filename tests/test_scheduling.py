@@ -1,0 +1,90 @@
+"""The suite's own limits (tests/scheduling.py): timeouts for every test, the groups pytest-xdist keeps on one
+worker, and the time budgets that fail the fast tier or the suite on the CI machine when they are passed."""
+
+import types
+
+import pytest
+
+from tests import environments, scheduling
+
+
+def config(markexpr="", keyword="", source=pytest.Config.ArgsSource.TESTPATHS):
+    return types.SimpleNamespace(option=types.SimpleNamespace(markexpr=markexpr, keyword=keyword), args_source=source)
+
+
+def report(nodeid, when, seconds, group=None, child_seconds=None):
+    properties = [("group", group)] if group else []
+    if child_seconds is not None:
+        properties.append(("child_seconds", child_seconds))
+    return types.SimpleNamespace(nodeid=nodeid, when=when, duration=seconds, user_properties=properties)
+
+
+def budgets(*reports, wall=0.0):
+    found = scheduling.Budgets()
+    found.start -= wall
+    for one in reports:
+        found.record(one)
+    return found
+
+
+def test_the_fast_tier_fails_past_its_wall_time_or_a_test_past_its_budget(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    tier = config("not slow")
+    assert budgets(report("a", "call", 9.0), wall=100).overruns(tier) == []
+    over = budgets(report("a", "call", 9.0), wall=scheduling.FAST_TIER_SECONDS + 1).overruns(tier)
+    assert len(over) == 1 and over[0].startswith("the fast tier took 121 s, more than 120 s")
+    (slow_call,) = budgets(report("tests/test_x.py::test_a", "call", 10.5)).overruns(tier)
+    assert slow_call == "tests/test_x.py::test_a (call) took 10.5 s, more than its 10 s"
+    # The setup that starts a shared fixture or a child has the fixture's budget; in a child, the test's own time.
+    assert budgets(report("b", "setup", 25.0, group="small_exports")).overruns(tier) == []
+    assert budgets(report("b", "setup", 35.0, group="small_exports")).overruns(tier) != []
+    assert budgets(report("c", "setup", 55.0, group="environment_jax")).overruns(tier) == []
+    assert budgets(report("c", "call", 0.0, group="environment_jax", child_seconds=12.0)).overruns(tier) != []
+
+
+def test_the_whole_suite_fails_past_its_wall_time_and_nothing_is_checked_off_ci_or_on_a_selection(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    (over,) = budgets(wall=scheduling.SUITE_SECONDS + 5).overruns(config())
+    assert over.startswith("the suite took 605 s, more than 600 s")
+    slow = budgets(report("a", "call", 50.0), wall=scheduling.SUITE_SECONDS + 5)
+    assert slow.overruns(config(keyword="jax")) == []  # -k: a selection, not the suite
+    assert slow.overruns(config(source=pytest.Config.ArgsSource.ARGS)) == []  # paths given
+    assert slow.overruns(config("slow")) == []
+    monkeypatch.delenv("CI")
+    assert slow.overruns(config()) == [] and slow.overruns(config("not slow")) == []
+
+
+class Item:
+    """What the grouping reads of a collected test."""
+
+    def __init__(self, nodeid, fixturenames=(), marks=()):
+        self.nodeid, self.fixturenames, self.marks, self.user_properties = nodeid, list(fixturenames), list(marks), []
+
+    def get_closest_marker(self, name):
+        return next((mark for mark in reversed(self.marks) if mark.name == name), None)
+
+    def add_marker(self, mark):
+        self.marks.append(mark.mark if hasattr(mark, "mark") else mark)
+
+
+def test_every_test_gets_a_timeout_and_its_group_and_the_groups_come_first():
+    items = [
+        Item("plain"),
+        Item("slow", marks=[pytest.mark.slow.mark]),
+        Item("own", marks=[pytest.mark.slow.mark, pytest.mark.timeout(900).mark]),
+        Item("child", ["tmp_path", "digits_model"], marks=[pytest.mark.environment("jax").mark]),
+        Item("job", ["digits_main_job"]),
+    ]
+    scheduling.pytest_collection_modifyitems(None, items)
+    assert [item.nodeid for item in items] == ["job", "child", "plain", "slow", "own"]
+    timeouts = {item.nodeid: item.get_closest_marker("timeout").args[0] for item in items}
+    assert timeouts == {"plain": 60, "slow": 300, "own": 900, "child": 300, "job": 60}
+    assert items[1].get_closest_marker("slow")  # In a child: slow, whatever its own marks.
+    groups = {item.nodeid: item.get_closest_marker("xdist_group") for item in items}
+    assert groups["job"].args == ("digits_main_job",) and groups["child"].args == ("environment_jax",)
+    assert groups["plain"] is None
+    # A test of a child sets up nothing here: its fixtures are the child's.
+    child = items[1]
+    assert child.fixturenames == (["environment"] if environments.CURRENT is None else ["tmp_path", "digits_model"])
+    with pytest.raises(pytest.UsageError, match=r"environment\('gpu'\); expected one of"):
+        scheduling.pytest_collection_modifyitems(None, [Item("bad", marks=[pytest.mark.environment("gpu").mark])])
