@@ -163,6 +163,21 @@ def test_position_embedding_similarity(classifier):
     assert flat.min() >= -1.0 - 1e-12 and flat.max() <= 1.0 + 1e-12
 
 
+def test_the_similarity_figure_tiles_each_patchs_map_at_its_position():
+    """plot_position_similarity draws one image: patch (i, j)'s (gh, gw) map in tile (i, j), tiles one NaN pixel
+    apart (the background)."""
+    from keras_vit.visualize.figures import similarity_mosaic
+
+    similarity = np.random.default_rng(0).uniform(-1, 1, (3, 4, 3, 4))
+    mosaic = similarity_mosaic(similarity)
+    assert mosaic.shape == (3 * 4 - 1, 4 * 5 - 1)
+    for i in range(3):
+        for j in range(4):
+            np.testing.assert_array_equal(mosaic[i * 4:i * 4 + 3, j * 5:j * 5 + 4], similarity[i, j].astype(np.float32))
+    gaps = np.isnan(mosaic)
+    assert gaps[3::4].all() and gaps[:, 4::5].all() and gaps.sum() == mosaic.size - similarity.size
+
+
 def test_neighbour_similarity_sees_a_grid_structure():
     model = small_vit(image_size=(16, 16), classifier="gap")
     encoder = model.get_layer("patch_encoder")

@@ -119,16 +119,31 @@ def plot_mean_distance(distances, path, image_size=None):
     return save_figure(fig, path)
 
 
-def plot_position_similarity(similarity, path):
-    """For each patch position, its embedding's cosine similarity with all others (Figure 7, centre)."""
-    plt = pyplot()
+def similarity_mosaic(similarity, gap=1):
+    """The (gh, gw, gh, gw) similarity maps tiled into one (gh * (gh + gap) - gap, gw * (gw + gap) - gap) array: the
+    map of patch (i, j) at tile (i, j), tiles apart by `gap` NaN pixels (drawn as the background)."""
     gh, gw = similarity.shape[:2]
-    fig, axes = plt.subplots(gh, gw, figsize=(max(gw, 2) * 0.8, max(gh, 2) * 0.8), squeeze=False)
+    mosaic = np.full((gh * (gh + gap) - gap, gw * (gw + gap) - gap), np.nan, np.float32)
     for i in range(gh):
         for j in range(gw):
-            axes[i, j].imshow(similarity[i, j], cmap="viridis", vmin=-1, vmax=1)
-            axes[i, j].axis("off")
+            top, left = i * (gh + gap), j * (gw + gap)
+            mosaic[top:top + gh, left:left + gw] = similarity[i, j]
+    return mosaic
+
+
+def plot_position_similarity(similarity, path):
+    """For each patch position, its embedding's cosine similarity with all others (Figure 7, centre): the map of
+    patch (i, j) in row i and column j of the grid, all drawn as one image (one draw call for any grid size)."""
+    from matplotlib import colormaps
+
+    plt = pyplot()
+    gh, gw = similarity.shape[:2]
+    fig, ax = plt.subplots(figsize=(max(gw, 2) * 0.8, max(gh, 2) * 0.8))
+    cmap = colormaps["viridis"].with_extremes(bad="white")
+    ax.imshow(similarity_mosaic(similarity), cmap=cmap, vmin=-1, vmax=1, interpolation="nearest")
+    ax.axis("off")
     fig.suptitle("position embedding similarity")
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=0.9)
     return save_figure(fig, path)
 
 
