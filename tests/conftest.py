@@ -174,6 +174,12 @@ def pytest_runtest_logreport(report):
         scheduling.BUDGETS.record(report)
 
 
+def pytest_configure(config):
+    # On the CI machine, before the workers start: how fast this machine is, for the time budgets.
+    if scheduling.checks_budgets(config):
+        scheduling.BUDGETS.measure_machine()
+
+
 def pytest_sessionstart(session):
     scheduling.BUDGETS.start = time.monotonic()
 
@@ -189,5 +195,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if scheduling.BUDGETS.describe():
+        terminalreporter.write_line(scheduling.BUDGETS.describe())
     for line in scheduling.BUDGETS.over:
         terminalreporter.write_line(f"TIME BUDGET: {line}", red=True)

@@ -88,3 +88,35 @@ def test_every_test_gets_a_timeout_and_its_group_and_the_groups_come_first():
     assert child.fixturenames == (["environment"] if environments.CURRENT is None else ["tmp_path", "digits_model"])
     with pytest.raises(pytest.UsageError, match=r"environment\('gpu'\); expected one of"):
         scheduling.pytest_collection_modifyitems(None, [Item("bad", marks=[pytest.mark.environment("gpu").mark])])
+
+
+def test_the_budgets_stretch_on_a_slower_machine_up_to_a_limit(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    reference = scheduling.REFERENCE_SECONDS
+    assert scheduling.machine_stretch(reference / 2) == 1.0  # A faster machine keeps the budgets as set.
+    assert scheduling.machine_stretch(reference * 1.8) == pytest.approx(1.8)
+    assert scheduling.machine_stretch(reference * 10) == scheduling.MAX_STRETCH
+    tier = config("not slow")
+    slower = budgets(report("tests/test_x.py::test_a", "call", 15.0), wall=scheduling.FAST_TIER_SECONDS * 1.5)
+    slower.stretch = 1.8
+    assert slower.overruns(tier) == []
+    slower.phases.append(("tests/test_x.py::test_b", "call", 18.5, None))
+    assert slower.overruns(tier) == ["tests/test_x.py::test_b (call) took 18.5 s, more than its 10 s x1.80"]
+    grown = budgets(wall=scheduling.SUITE_SECONDS * 1.9)
+    grown.stretch = 1.8
+    assert grown.overruns(config()) == ["the suite took 1140 s, more than 600 s x1.80"]
+    grown.stretch = 1.0
+    assert grown.overruns(config()) == ["the suite took 1140 s, more than 600 s"]
+    # The workload itself: a fixed piece of Python and float32 arithmetic that takes a measurable time.
+    assert 0.0 < scheduling.reference_workload() < 60.0
+
+
+def test_an_environment_that_runs_in_anothers_child_is_grouped_with_it():
+    onednn = Item("onednn", marks=[pytest.mark.environment("onednn_on").mark])
+    replicas = Item("replicas", marks=[pytest.mark.environment("two_cpus").mark])
+    scheduling.pytest_collection_modifyitems(None, [onednn, replicas])
+    assert environments.RUN_IN["onednn_on"] == "two_cpus"
+    assert {item.get_closest_marker("xdist_group").args for item in (onednn, replicas)} == {("environment_two_cpus",)}
+    # That child sets the environment's own variables too.
+    assert environments.ENVIRONMENTS["onednn_on"].items() <= environments.ENVIRONMENTS["two_cpus"].items()
+    assert "onednn_on" not in environments.CHILDREN and "two_cpus" in environments.CHILDREN
