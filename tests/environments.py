@@ -8,7 +8,8 @@ every selected test of NAME, and each test reports its own outcome from the chil
 child's traceback, a skip with its reason). The child is an ordinary pytest session: fixtures, `tmp_path`,
 the seeding and the timeouts of tests/conftest.py apply there as here.
 
-Under pytest-xdist the tests of one environment are one group (tests/conftest.py), so each child runs once.
+An environment whose variables are a part of another's runs its tests in that one's child (RUN_IN). Under
+pytest-xdist the tests of one child are one group (tests/scheduling.py), so each child runs once.
 """
 
 import json
@@ -22,8 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Each environment: the variables its child starts with.
 ENVIRONMENTS = {
-    # TensorFlow with the CPU as two logical devices: MirroredStrategy with two replicas.
-    "two_cpus": {"KERAS_VIT_TEST_LOGICAL_CPUS": "2"},
+    # TensorFlow with the CPU as two logical devices: MirroredStrategy with two replicas; oneDNN on (onednn_on's
+    # tests run here too).
+    "two_cpus": {"KERAS_VIT_TEST_LOGICAL_CPUS": "2", "TF_ENABLE_ONEDNN_OPTS": "1"},
     # Keras' JAX backend on two CPU devices (keras.distribution over two); TensorFlow importable (tf.data).
     "jax": {"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
     # Keras' JAX backend on eight CPU devices with TensorFlow hidden: a JAX machine without TensorFlow.
@@ -36,6 +38,12 @@ ENVIRONMENTS = {
     "onednn_on": {"TF_ENABLE_ONEDNN_OPTS": "1"},
     "onednn_off": {"TF_ENABLE_ONEDNN_OPTS": "0"},
 }
+
+# Environments whose tests run in another one's child, which sets their variables too: one child fewer to start.
+RUN_IN = {"onednn_on": "two_cpus"}
+assert all(ENVIRONMENTS[name].items() <= ENVIRONMENTS[host].items() for name, host in RUN_IN.items())
+# The environments that have a child of their own.
+CHILDREN = [name for name in ENVIRONMENTS if name not in RUN_IN]
 
 # The environment this process is, in a child; None in the main session.
 CURRENT = os.environ.get("KERAS_VIT_TEST_ENVIRONMENT")
@@ -79,10 +87,15 @@ def environment_of(item):
     return name
 
 
+def child_of(item):
+    """The child that runs a test item (its environment's, or the one its environment runs in), or None."""
+    name = environment_of(item)
+    return RUN_IN.get(name, name)
+
+
 def test_id(item):
     """The test's node id as a child names it: without the "@group" that pytest-xdist appends here."""
-    name = environment_of(item)
-    return item.nodeid.removesuffix(f"@environment_{name}")
+    return item.nodeid.removesuffix(f"@environment_{child_of(item)}")
 
 
 def timeout_of(item):
@@ -100,9 +113,9 @@ class Children:
 
     def outcome(self, item):
         """{"outcome", "text", "seconds"} of `item` in its environment's child, or None if it did not run."""
-        name = environment_of(item)
+        name = child_of(item)
         if name not in self.runs:
-            self.runs[name] = self.run(name, [i for i in self.session.items if environment_of(i) == name])
+            self.runs[name] = self.run(name, [i for i in self.session.items if child_of(i) == name])
         reports, output = self.runs[name]
         found = reports.get(test_id(item))
         if found is None:
@@ -154,7 +167,7 @@ def write_report():
 
 def report_outcome(item, found):
     """In the main session, in place of the test's call: the outcome its child reported."""
-    name = environment_of(item)
+    name = child_of(item)
     item.user_properties.append(("child_seconds", found["seconds"]))
     if found["outcome"] == "skipped":
         pytest.skip(found["text"])
