@@ -139,11 +139,13 @@ def test_saved_model_signatures_match_keras(digits_model, digits_exports):
     np.testing.assert_allclose(out["after_error_logits"], expected, atol=1e-5)
 
 
+@pytest.mark.slow  # small_exports: four exports and a serving process, about 15 s
 def test_saved_model_as_a_keras_layer(small_exports):
     model, images, _, served = small_exports
     np.testing.assert_allclose(served["tfsmlayer"]["logits"], model.predict(images, verbose=0), atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [1, None])
 def test_tflite_float32_matches_keras(small_exports, batch_size):
     model, images, paths, served = small_exports
@@ -181,6 +183,7 @@ def test_int8_tflite_of_ti16_is_under_30_percent_of_float32(tmp_path):
     assert ratio <= 0.30, ratio
 
 
+@pytest.mark.slow  # small_exports: four exports and a serving process, about 15 s
 def test_onnx_matches_keras(small_exports):
     model, images, _, served = small_exports
     np.testing.assert_allclose(served["onnx"]["logits"], model.predict(images, verbose=0), atol=1e-4)

@@ -320,6 +320,7 @@ MEMORY_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a process that serves and evaluates hostile images: 10-16 s
 def test_memory_stays_bounded_in_serving_and_evaluation(small_saved_model, tmp_path):
     gif, _ = many_frame_gif(2000, 400, levels=4)  # 2,000 frames of 400 x 400: 320 MB if all were decoded
     hostile = {"strip.png": blank_png(200_000, 1), "tall.png": blank_png(1, 1_000_000),
