@@ -29,6 +29,7 @@ SHARED_FIXTURES = {
     "torch_reference": 60,
     "failed_writes": 15,
     "small_saved_model": 15,
+    "deployed_service": 20,  # a tf.data service dispatcher and two worker processes
 }
 # Timeouts (pytest-timeout, the test's own call; a shared fixture's processes have their own): a test marked
 # slow gets SLOW_TIMEOUT unless it sets its own with @pytest.mark.timeout(seconds).

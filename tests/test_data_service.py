@@ -1,4 +1,5 @@
-"""tf.data service: a dispatcher and two workers on 127.0.0.1, the workers in processes of their own.
+"""tf.data service: a dispatcher and two workers on 127.0.0.1, each in a process of its own, started once for
+the tests that use them.
 
 Workers in other processes are what a deployment has: they run the pipeline's serialized graph with none
 of the client's Python, which in-process workers would hide.
@@ -74,28 +75,16 @@ class Servers:
                 process.wait()
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    """A dispatcher in this process and two worker processes; yields the dispatcher's address."""
-    dispatcher = service.start_dispatcher(free_port())
+@pytest.fixture(scope="module")
+def deployed_service(tmp_path_factory):
+    """A dispatcher process (fault tolerant: journaling into its folder `dispatcher`) and two worker processes,
+    as `python -m experiments.data_service` starts them, once for this file's tests; yields (the dispatcher's
+    address, journal folder) once they serve."""
+    folder = tmp_path_factory.mktemp("data_service")
+    work_dir = folder / "dispatcher"
+    servers = Servers(folder, free_port(), work_dir=work_dir)
     try:
-        servers = Servers(tmp_path, service.parse_address(dispatcher.target)[1])
-        try:
-            yield servers.address()
-        finally:
-            servers.stop()
-    finally:
-        dispatcher.stop()
-
-
-@pytest.fixture
-def deployed(tmp_path):
-    """A dispatcher process (fault tolerant: journaling into tmp_path/dispatcher) and two worker processes,
-    as `python -m experiments.data_service` starts them, still starting; yields (Servers, journal folder)."""
-    work_dir = tmp_path / "dispatcher"
-    servers = Servers(tmp_path, free_port(), work_dir=work_dir)
-    try:
-        yield servers, work_dir
+        yield servers.address(), work_dir
     finally:
         servers.stop()
 
@@ -123,7 +112,8 @@ def test_docstring_examples():
     assert result.attempted >= 6 and result.failed == 0
 
 
-def test_two_worker_processes_serve_a_pipeline(cluster):
+def test_two_worker_processes_serve_a_pipeline(deployed_service):
+    cluster, _ = deployed_service
     # "parallel_epochs": each worker produces the whole data set.
     squares = tf.data.Dataset.range(10).map(lambda x: x * x)
     counts = collections.Counter(int(x) for x in service.distribute(squares, cluster, job_name="squares"))
@@ -154,11 +144,12 @@ def test_two_worker_processes_serve_a_pipeline(cluster):
 
 
 @pytest.mark.slow
-def test_training_through_the_service_runs_the_same_steps(deployed, tmp_path):
+def test_training_through_the_service_runs_the_same_steps(deployed_service, tmp_path):
     """experiments.train on a folder of images, its input pipeline run by the two workers: as many steps
     as the same run on this host, finite metrics, and the training image that fails to decode (on a
-    worker, graph-only) skipped and named here."""
-    servers, journal = deployed
+    worker, graph-only) skipped and named here.  The per-epoch TensorBoard figures and the figures after
+    training are off: they read the validation and test splits, on this host, in both runs alike."""
+    address, journal = deployed_service
     from experiments import train
     from experiments.configs import digits
     from tests.test_data import write_folder
@@ -172,6 +163,7 @@ def test_training_through_the_service_runs_the_same_steps(deployed, tmp_path):
         config.model.update(patch_size=4, num_layers=1, hidden_dim=16, mlp_dim=32, num_heads=2)
         config.jit_compile = "off"
         config.verbose = 0
+        config.visualize, config.tensorboard_figures = False, 0
         config.data_service = data_service
         return train.train_and_evaluate(config, str(tmp_path / ("service" if data_service else "local")))
 
@@ -179,9 +171,9 @@ def test_training_through_the_service_runs_the_same_steps(deployed, tmp_path):
         """The bytes of the dispatcher's journal: the datasets registered and the jobs made, by name."""
         return b"".join(path.read_bytes() for path in journal.rglob("*") if path.is_file())
 
-    local = run("")  # While the servers start.
+    local = run("")
     assert b"keras_vit_train" not in jobs()
-    served = run(servers.address())
+    served = run(address)
     assert b"keras_vit_train-" in jobs()  # The training pipeline's job: read from the workers.
     assert served["steps"] == local["steps"] > 0
     assert served["steps"] == 2 * (served["train_examples"] // 4)

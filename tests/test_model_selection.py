@@ -323,11 +323,14 @@ def test_the_job_reports_the_final_and_the_best_model_on_each_split_and_on_the_e
     builds the test pipeline, or reads one test image, before `fit` returns.  The validation split is read
     in each epoch (where best.keras is chosen), and then for the final and the best model.  The figures of
     metrics.json, recomputed from model.keras and best.keras; the splits named.  Extra test sets (ImageNet-v2
-    and ReaL-like, made here) are evaluated for both models; one that is absent is skipped."""
+    and ReaL-like, made here) are evaluated for both models; one that is absent is skipped.  The figures after
+    training (config.visualize) read the test split here; the per-epoch TensorBoard figures, which read the
+    validation split, are watched by the image folder's test below."""
     digits = vit_data.load_digits(image_size=16)
     images, labels = digits.test.images[:40], digits.test.labels[:40]
     data_dir, real = prepare_evaluation_sets(tmp_path, images, labels)
     config = tiny_digits_config(epochs=2)
+    config.tensorboard_figures = 0
     config.data_dir = data_dir
     config.extra_evals = {
         "v2": {"dataset": "tiny_v2", "split": "test", "label": "label"},
@@ -376,7 +379,9 @@ def test_the_job_reports_the_final_and_the_best_model_on_each_split_and_on_the_e
 
 @pytest.mark.slow
 def test_on_an_image_folder_the_source_reads_its_test_split_only_after_training(tmp_path, monkeypatch):
-    """A folder source whose `read` records each split it is asked for, and each record read from it."""
+    """A folder source whose `read` records each split it is asked for, and each record read from it.  The
+    per-epoch TensorBoard figures (on by default) read the validation split here; the figures after training
+    (config.visualize) are watched by the digits' test above."""
     root = write_folder(tmp_path / "images", per_class=8, size=(20, 20))
     reads, over = [], TrainingOver()
     load_image_source = vit_data.load_image_source
@@ -397,6 +402,7 @@ def test_on_an_image_folder_the_source_reads_its_test_split_only_after_training(
     config = tiny_digits_config(epochs=2)
     config.dataset, config.batch_size, config.validation_fraction = f"folder:{root}", 4, 0.25
     config.model.patch_size = 4
+    config.visualize = False
     metrics = train.train_and_evaluate(config, str(tmp_path / "run"), callbacks=[over])
     assert (metrics["train_examples"], metrics["validation_examples"], metrics["test_examples"]) == (14, 5, 5)
     assert metrics["splits"]["validation"] == {
