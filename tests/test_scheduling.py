@@ -19,6 +19,12 @@ def report(nodeid, when, seconds, group=None, child_seconds=None):
     return types.SimpleNamespace(nodeid=nodeid, when=when, duration=seconds, user_properties=properties)
 
 
+@pytest.fixture(autouse=True)
+def main_session(monkeypatch):
+    """The budgets are checked in the main session (the xdist controller): these tests may run in a worker."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+
+
 def budgets(*reports, wall=0.0):
     found = scheduling.Budgets()
     found.start -= wall
@@ -51,6 +57,9 @@ def test_the_whole_suite_fails_past_its_wall_time_and_nothing_is_checked_off_ci_
     assert slow.overruns(config(keyword="jax")) == []  # -k: a selection, not the suite
     assert slow.overruns(config(source=pytest.Config.ArgsSource.ARGS)) == []  # paths given
     assert slow.overruns(config("slow")) == []
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")  # a worker's own session: the controller checks
+    assert slow.overruns(config()) == []
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
     monkeypatch.delenv("CI")
     assert slow.overruns(config()) == [] and slow.overruns(config("not slow")) == []
 
