@@ -528,7 +528,7 @@ def test_input_benchmark_plugs_a_callable_augmentation_in_as_the_peer(tiny_jpegs
     forms = ["crop_flip", "keras_vit", "model_garden"]
     assert list(figures["images_per_second"]) == forms and figures["ours"] == "keras_vit"
     # Its untimed turn (warm-up 2 batches + a pass over the 10 training files: 3 batches), then 2 turns of
-    # 2 + 2 batches of 4 images: the stand-in saw at least those 68 images, each 32x32 after the crop.
+    # 2 + 2 batches of 4 images: the stand-in saw at least those 52 images, each 32x32 after the crop.
     assert len(calls) >= 4 * (2 + 3 + 2 * (2 + 2))
     assert set(calls) == {(32, 32, 3)}
     rates = figures["images_per_second"]

@@ -18,8 +18,15 @@ LABELS = np.eye(4, dtype="float32")[np.arange(64) % 4]
 
 
 def make_model(*, ema_momentum=0.0, layer_decay=1.0, accumulation=1, mixup=0.0, cutmix=0.0, clip=0.05,
-               weight_decay=0.1, steps=100, jit_compile=False, seed=0):
-    """A small ViT compiled with the recipe's AdamW (tight clipping: it clips at every step)."""
+               weight_decay=0.1, steps=100, jit_compile=False, seed=0, built=True):
+    """A small ViT compiled with the recipe's AdamW (tight clipping: it clips at every step).
+
+    Its optimizer is built before `fit`, as Keras builds it under a strategy's scope (the training job's
+    path): without a strategy Keras builds it inside `fit`'s first trace of the step, which then traces the
+    step twice (and, with XLA and accumulation, compiles it again in the second epoch). `built=False` leaves
+    the building to `fit`: test_layer_decay_survives_save_and_load and the uninterrupted run of
+    test_a_resumed_run_with_everything_on_ends_as_the_uninterrupted_one run that path.
+    """
     keras.utils.set_random_seed(seed)
     model = keras_vit.build_vit("testing", image_size=16, num_classes=4, head_kernel_initializer="glorot_uniform")
     optimizer = training.make_optimizer(
@@ -30,6 +37,8 @@ def make_model(*, ema_momentum=0.0, layer_decay=1.0, accumulation=1, mixup=0.0, 
                   metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")], jit_compile=jit_compile)  # fmt: skip
     keras_vit.enable_batch_mixing(model, mixup_alpha=mixup, cutmix_alpha=cutmix, seed=seed)
     keras_vit.enable_gradient_accumulation(model, accumulation)
+    if built:
+        model.optimizer.build(model.trainable_variables)
     return model
 
 
@@ -222,7 +231,7 @@ def test_scales_that_name_no_variable_are_reported(caplog):
 
 
 def test_layer_decay_survives_save_and_load(tmp_path):
-    model = make_model(layer_decay=0.7, ema_momentum=0.9)
+    model = make_model(layer_decay=0.7, ema_momentum=0.9, built=False)  # Built by fit's first trace.
     model.fit(batches(16), epochs=1, verbose=0)
     model.save(tmp_path / "model.keras")
     loaded = keras.models.load_model(tmp_path / "model.keras")
@@ -257,7 +266,9 @@ def train(folder, stop=None, **options):
 
 @pytest.mark.slow
 def test_a_resumed_run_with_everything_on_ends_as_the_uninterrupted_one(tmp_path):
-    uninterrupted = train(str(tmp_path / "a"), **ALL)
+    # The uninterrupted run's optimizer is built by fit, in its first trace, as without a strategy; the others'
+    # before fit (the resumed run's by restore_backup): both paths end alike.
+    uninterrupted = train(str(tmp_path / "a"), built=False, **ALL)
     with pytest.raises(KeyboardInterrupt):
         train(str(tmp_path / "b"), stop=0, **ALL)
     resumed = train(str(tmp_path / "b"), **ALL)
@@ -346,6 +357,7 @@ def job_config():
     config.visualize, config.model.num_layers = False, 2
     config.ema_momentum, config.layer_decay, config.grad_accum_steps = 0.9, 0.75, 2
     config.augment.mixup_alpha = 0.8
+    config.tensorboard_figures = 0  # The per-epoch TensorBoard figures (seconds an epoch): not checked here.
     # 7 does not divide the 20 steps of an epoch: the job runs 5 per execution, and each epoch its 20 steps.
     config.steps_per_execution = 7
     return config
