@@ -195,7 +195,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if scheduling.BUDGETS.describe():
-        terminalreporter.write_line(scheduling.BUDGETS.describe())
+    stretch = scheduling.BUDGETS.describe()
+    if stretch:
+        terminalreporter.write_line(stretch)
     for line in scheduling.BUDGETS.over:
         terminalreporter.write_line(f"TIME BUDGET: {line}", red=True)
