@@ -40,13 +40,15 @@ def test_the_fast_tier_fails_past_its_wall_time_or_a_test_past_its_budget(monkey
     over = budgets(report("a", "call", 9.0), wall=scheduling.FAST_TIER_SECONDS + 1).overruns(tier)
     tier_limit = scheduling.FAST_TIER_SECONDS
     assert len(over) == 1 and over[0].startswith(f"the fast tier took {tier_limit + 1} s, more than {tier_limit} s")
-    (slow_call,) = budgets(report("tests/test_x.py::test_a", "call", 10.5)).overruns(tier)
-    assert slow_call == "tests/test_x.py::test_a (call) took 10.5 s, more than its 10 s"
+    test_limit = scheduling.FAST_TEST_SECONDS
+    assert budgets(report("tests/test_x.py::test_a", "call", test_limit - 0.5)).overruns(tier) == []
+    (slow_call,) = budgets(report("tests/test_x.py::test_a", "call", test_limit + 0.5)).overruns(tier)
+    assert slow_call == f"tests/test_x.py::test_a (call) took {test_limit + 0.5} s, more than its {test_limit} s"
     # The setup that starts a shared fixture or a child has the fixture's budget; in a child, the test's own time.
     assert budgets(report("b", "setup", 25.0, group="small_exports")).overruns(tier) == []
     assert budgets(report("b", "setup", 35.0, group="small_exports")).overruns(tier) != []
     assert budgets(report("c", "setup", 55.0, group="environment_jax")).overruns(tier) == []
-    assert budgets(report("c", "call", 0.0, group="environment_jax", child_seconds=12.0)).overruns(tier) != []
+    assert budgets(report("c", "call", 0.0, group="environment_jax", child_seconds=test_limit + 2)).overruns(tier) != []
 
 
 def test_the_whole_suite_fails_past_its_wall_time_and_nothing_is_checked_off_ci_or_on_a_selection(monkeypatch):
@@ -107,11 +109,13 @@ def test_the_budgets_stretch_on_a_slower_machine_up_to_a_limit(monkeypatch):
     assert scheduling.machine_stretch(reference * 1.8) == pytest.approx(1.8)
     assert scheduling.machine_stretch(reference * 10) == scheduling.MAX_STRETCH
     tier = config("not slow")
-    slower = budgets(report("tests/test_x.py::test_a", "call", 15.0), wall=scheduling.FAST_TIER_SECONDS * 1.5)
+    test_limit = scheduling.FAST_TEST_SECONDS
+    slower = budgets(report("tests/test_x.py::test_a", "call", test_limit * 1.5), wall=scheduling.FAST_TIER_SECONDS)
     slower.stretch = 1.8
     assert slower.overruns(tier) == []
-    slower.phases.append(("tests/test_x.py::test_b", "call", 18.5, None))
-    assert slower.overruns(tier) == ["tests/test_x.py::test_b (call) took 18.5 s, more than its 10 s x1.80"]
+    slower.phases.append(("tests/test_x.py::test_b", "call", test_limit * 1.85, None))
+    took = f"{test_limit * 1.85:.1f} s"
+    assert slower.overruns(tier) == [f"tests/test_x.py::test_b (call) took {took}, more than its {test_limit} s x1.80"]
     grown = budgets(wall=scheduling.SUITE_SECONDS * 1.9)
     grown.stretch = 1.8
     took, limit = round(scheduling.SUITE_SECONDS * 1.9), scheduling.SUITE_SECONDS
