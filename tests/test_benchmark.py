@@ -507,6 +507,7 @@ def tiny_jpegs(tmp_path):
     return inputs.write_synthetic_folder(str(tmp_path / "jpegs"), 12, (48, 40))
 
 
+@pytest.mark.slow  # Timed turns of three pipelines: 6 s alone, up to 19 s beside another worker.
 def test_input_benchmark_plugs_a_callable_augmentation_in_as_the_peer(tiny_jpegs, monkeypatch, capsys):
     """A stand-in for Model Garden's RandAugment goes through the same path as the peer: the pipeline
     calls it on every image of its form's batches, and the row holds its figures and ratio."""
@@ -541,6 +542,7 @@ def test_input_benchmark_plugs_a_callable_augmentation_in_as_the_peer(tiny_jpegs
     assert "+ Model Garden's RandAugment(2, 10) " in stdout and "keras_vit / model_garden: " in stdout
 
 
+@pytest.mark.slow  # Timed turns of the pipelines, as the one above.
 def test_input_benchmark_without_model_garden_says_why_and_measures_the_rest(tiny_jpegs, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "official", None)  # `import official...` raises ImportError.
     peer, note = inputs.model_garden_randaugment(2, 10)
