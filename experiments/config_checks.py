@@ -133,6 +133,7 @@ def check_config(config):
     _integer("max_shift", config.max_shift, 0)
     _integer("visualize_images", config.visualize_images, 1)
     _integer("tensorboard_figures", config.tensorboard_figures, 0)
+    _integer("tensorboard_figure_epochs", config.tensorboard_figure_epochs, 0)
     _check_augment(config.augment)
     _check_model(config)
     return config

@@ -252,6 +252,7 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
     if dataset.validation is not None and config.tensorboard_figures:
         epoch_figures = [evaluation.TensorBoardFigures(
             tf.io.gfile.join(workdir, "tensorboard"), dataset.validation, num_images=config.tensorboard_figures,
+            max_figures=config.tensorboard_figure_epochs or None,
         )]
     # The state of an interrupted run: a killed run started again with the same command resumes from its
     # newest usable backup (weights, optimizer and epoch together), losing at most `backup_every` steps.

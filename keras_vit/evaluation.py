@@ -309,9 +309,9 @@ def rollout_images(model, images):
 
 
 class TensorBoardFigures(keras.callbacks.Callback):
-    """Writes, each epoch, the validation confusion matrix (`confusion_image`: rows are the true classes, in
-    order, columns the predicted ones) and the attention rollout of a few fixed validation images as TensorBoard
-    images (`confusion_matrix`, `attention_rollout`), beside Keras' own scalars.
+    """Writes, at the end of epochs spread over the run, the validation confusion matrix (`confusion_image`: rows
+    are the true classes, in order, columns the predicted ones) and the attention rollout of a few fixed
+    validation images as TensorBoard images (`confusion_matrix`, `attention_rollout`), beside Keras' own scalars.
 
     Args:
         log_dir: the TensorBoard folder (local or gs://); the images go to its
@@ -324,13 +324,32 @@ class TensorBoardFigures(keras.callbacks.Callback):
         max_examples: about this many validation examples (whole batches
             of them, the first ones: the split is not shuffled) are predicted
             for the matrix.
+        max_figures: at most about this many epochs of a run get the images,
+            evenly spaced, the last epoch always (None: every epoch). The
+            default, 10, is what TensorBoard shows of an image tag unless
+            started with `--samples_per_plugin=images=N`: it keeps 10 steps
+            of a tag, sampled at random but for the last, so more epochs would
+            cost their predictions and not be shown.
     """
 
-    def __init__(self, log_dir, validation_data, *, num_images=4, max_examples=2048):
+    def __init__(self, log_dir, validation_data, *, num_images=4, max_examples=2048, max_figures=10):
         super().__init__()
+        if max_figures is not None and (
+            isinstance(max_figures, bool) or not isinstance(max_figures, int) or max_figures < 1
+        ):
+            raise ValueError(f"`max_figures` must be a positive integer or None. Received: max_figures={max_figures!r}")
         self.log_dir, self.validation_data = str(log_dir), validation_data
-        self.num_images, self.max_examples = num_images, max_examples
+        self.num_images, self.max_examples, self.max_figures = num_images, max_examples, max_figures
         self.writer = self.images = self.labels = self.rollout_inputs = None
+
+    def writes_at(self, epoch):
+        """Whether the images are written at the end of `epoch` (0-based) of the run's `params["epochs"]`: every
+        `ceil(epochs / max_figures)`-th epoch and the last, the same epochs in a run resumed part way."""
+        epochs = self.params.get("epochs") if self.params else None
+        if self.max_figures is None or not epochs:
+            return True
+        every = -(-epochs // self.max_figures)
+        return (epoch + 1) % every == 0 or epoch + 1 == epochs
 
     def _prepare(self):
         """The writer, the examples and their labels, and the rollout images: read at the first epoch's end, so
@@ -351,6 +370,8 @@ class TensorBoardFigures(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         import tensorflow as tf
 
+        if not self.writes_at(epoch):
+            return
         if self.writer is None:
             self._prepare()
         logits = self.model.predict(self.images, verbose=0)

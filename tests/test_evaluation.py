@@ -169,6 +169,7 @@ def tensorboard_images(folder):
 
 
 def test_tensorboard_gets_the_confusion_matrix_and_rollouts_each_epoch(tmp_path):
+    """Each epoch of a run of up to 10 epochs (the default `max_figures`), spread out in a longer one."""
     import tensorflow as tf
 
     model = randomize_weights(keras_vit.build_vit("testing", image_size=16, num_classes=10, patch_size=4,
@@ -179,10 +180,18 @@ def test_tensorboard_gets_the_confusion_matrix_and_rollouts_each_epoch(tmp_path)
     validation = tf.data.Dataset.from_tensor_slices((images[:40], labels[:40])).batch(16)
     figures = evaluation.TensorBoardFigures(tmp_path, validation, num_images=3)
     assert figures.labels is None  # Nothing of the validation split is read before training.
-    model.fit(images, labels, epochs=2, batch_size=32, validation_data=validation, callbacks=[figures], verbose=0)
+    # At most 2 epochs of the 3 get the images: every second epoch and the last.
+    spaced = evaluation.TensorBoardFigures(tmp_path / "spaced", validation, num_images=1, max_figures=2)
+    model.fit(images, labels, epochs=3, batch_size=32, validation_data=validation, callbacks=[figures, spaced],
+              verbose=0)  # fmt: skip
     np.testing.assert_array_equal(figures.labels, labels[:40])
     found = tensorboard_images(tmp_path / "validation")
-    assert found == {"confusion_matrix": [(0, 1), (1, 1)], "attention_rollout": [(0, 3), (1, 3)]}
+    assert found == {"confusion_matrix": [(0, 1), (1, 1), (2, 1)], "attention_rollout": [(0, 3), (1, 3), (2, 3)]}
+    assert tensorboard_images(tmp_path / "spaced" / "validation") == {
+        "confusion_matrix": [(1, 1), (2, 1)], "attention_rollout": [(1, 1), (2, 1)]
+    }
+    with pytest.raises(ValueError, match=r"`max_figures` must be a positive integer or None. Received: max_figures=0"):
+        evaluation.TensorBoardFigures(tmp_path, validation, max_figures=0)
     # Each rollout image is the image beside itself weighted by the rollout map.
     side_by_side = evaluation.rollout_images(model, images[:3])
     assert side_by_side.shape == (3, 16, 32, 3)

@@ -103,6 +103,9 @@ def get_base_config():
     # Each epoch, TensorBoard images of the validation confusion matrix and of the attention rollout of this
     # many fixed validation images (keras_vit.evaluation.TensorBoardFigures); 0: neither.
     config.tensorboard_figures = 4
+    # At most this many epochs get them, evenly spaced and the last (TensorBoard shows 10 steps of an image tag unless
+    # started with --samples_per_plugin=images=N); 0: every epoch.
+    config.tensorboard_figure_epochs = 10
 
     # === At the end ===
     # Exports into workdir/export, comma separated: saved_model, tflite,
