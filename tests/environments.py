@@ -26,8 +26,13 @@ ENVIRONMENTS = {
     # TensorFlow with the CPU as two logical devices: MirroredStrategy with two replicas; oneDNN on (onednn_on's
     # tests run here too).
     "two_cpus": {"KERAS_VIT_TEST_LOGICAL_CPUS": "2", "TF_ENABLE_ONEDNN_OPTS": "1"},
-    # Keras' JAX backend on two CPU devices (keras.distribution over two); TensorFlow importable (tf.data).
-    "jax": {"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    # Keras' JAX backend on two CPU devices (keras.distribution over two); TensorFlow importable (tf.data), with
+    # oneDNN off (onednn_off's tests run here too: JAX does the arithmetic, TensorFlow only reads the data).
+    "jax": {
+        "KERAS_BACKEND": "jax",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "TF_ENABLE_ONEDNN_OPTS": "0",
+    },
     # Keras' JAX backend on eight CPU devices with TensorFlow hidden: a JAX machine without TensorFlow.
     "jax_without_tensorflow": {
         "KERAS_BACKEND": "jax",
@@ -40,7 +45,7 @@ ENVIRONMENTS = {
 }
 
 # Environments whose tests run in another one's child, which sets their variables too: one child fewer to start.
-RUN_IN = {"onednn_on": "two_cpus"}
+RUN_IN = {"onednn_on": "two_cpus", "onednn_off": "jax"}
 assert all(ENVIRONMENTS[name].items() <= ENVIRONMENTS[host].items() for name, host in RUN_IN.items())
 # The environments that have a child of their own.
 CHILDREN = [name for name in ENVIRONMENTS if name not in RUN_IN]

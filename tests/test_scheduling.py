@@ -135,3 +135,9 @@ def test_an_environment_that_runs_in_anothers_child_is_grouped_with_it():
     # That child sets the environment's own variables too.
     assert environments.ENVIRONMENTS["onednn_on"].items() <= environments.ENVIRONMENTS["two_cpus"].items()
     assert "onednn_on" not in environments.CHILDREN and "two_cpus" in environments.CHILDREN
+    # And oneDNN off runs in the JAX child, which has it off.
+    off = Item("off", marks=[pytest.mark.environment("onednn_off").mark])
+    scheduling.pytest_collection_modifyitems(None, [off])
+    assert off.get_closest_marker("xdist_group").args == ("environment_jax",)
+    assert environments.ENVIRONMENTS["onednn_off"].items() <= environments.ENVIRONMENTS["jax"].items()
+    assert environments.CHILDREN == ["two_cpus", "jax", "jax_without_tensorflow"]
