@@ -112,6 +112,7 @@ def test_docstring_examples():
     assert result.attempted >= 6 and result.failed == 0
 
 
+@pytest.mark.slow  # Its fixture starts three processes that import TensorFlow: 10-16 s.
 def test_two_worker_processes_serve_a_pipeline(deployed_service):
     cluster, _ = deployed_service
     # "parallel_epochs": each worker produces the whole data set.
