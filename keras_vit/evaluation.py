@@ -24,6 +24,8 @@ import time
 import keras
 import numpy as np
 
+from keras_vit.layers.common import check_positive_int
+
 # The most classes drawn in a confusion matrix's picture (its CSV has them all).
 MAX_MATRIX_CLASSES = 100
 
@@ -324,7 +326,7 @@ class TensorBoardFigures(keras.callbacks.Callback):
         max_examples: about this many validation examples (whole batches
             of them, the first ones: the split is not shuffled) are predicted
             for the matrix.
-        max_figures: at most about this many epochs of a run get the images,
+        max_figures: at most this many epochs of a run get the images,
             evenly spaced, the last epoch always (None: every epoch). The
             default, 10, is what TensorBoard shows of an image tag unless
             started with `--samples_per_plugin=images=N`: it keeps 10 steps
@@ -334,12 +336,9 @@ class TensorBoardFigures(keras.callbacks.Callback):
 
     def __init__(self, log_dir, validation_data, *, num_images=4, max_examples=2048, max_figures=10):
         super().__init__()
-        if max_figures is not None and (
-            isinstance(max_figures, bool) or not isinstance(max_figures, int) or max_figures < 1
-        ):
-            raise ValueError(f"`max_figures` must be a positive integer or None. Received: max_figures={max_figures!r}")
+        self.max_figures = None if max_figures is None else check_positive_int("max_figures", max_figures)
         self.log_dir, self.validation_data = str(log_dir), validation_data
-        self.num_images, self.max_examples, self.max_figures = num_images, max_examples, max_figures
+        self.num_images, self.max_examples = num_images, max_examples
         self.writer = self.images = self.labels = self.rollout_inputs = None
 
     def writes_at(self, epoch):

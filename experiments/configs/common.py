@@ -100,11 +100,11 @@ def get_base_config():
     config.precision = "float32"  # or "mixed_bfloat16", "mixed_float16".
     config.jit_compile = "auto"  # "on", "off"; see keras_vit.training.resolve_jit_compile.
     config.verbose = 2  # 1: progress bar, 2: a line per epoch.
-    # Each epoch, TensorBoard images of the validation confusion matrix and of the attention rollout of this
-    # many fixed validation images (keras_vit.evaluation.TensorBoardFigures); 0: neither.
+    # TensorBoard images of the validation confusion matrix and of the attention rollout of this many fixed
+    # validation images (keras_vit.evaluation.TensorBoardFigures); 0: neither.
     config.tensorboard_figures = 4
-    # At most this many epochs get them, evenly spaced and the last (TensorBoard shows 10 steps of an image tag unless
-    # started with --samples_per_plugin=images=N); 0: every epoch.
+    # At the end of at most this many epochs, evenly spaced, the last included (TensorBoard shows 10 steps of an
+    # image tag unless started with --samples_per_plugin=images=N); 0: every epoch.
     config.tensorboard_figure_epochs = 10
 
     # === At the end ===
