@@ -13,12 +13,14 @@ from tests import environments, scheduling  # noqa: E402
 
 # A child of tests/environments.py hides TensorFlow or splits the CPU before Keras is imported.
 environments.prepare()
+# An xdist worker shares the cores with the others (not a child: its environment is set up as it asks).
+if environments.CURRENT is None:
+    scheduling.share_the_cores()
 
-import keras  # noqa: E402
 import pytest  # noqa: E402
 
-# Shared with the benchmarks; test modules import them from here or from keras_vit.testing.
-from keras_vit.testing import random_images, randomize_weights  # noqa: E402, F401
+# Keras (and with it TensorFlow) is imported by the fixtures and the test modules, not here: the xdist controller
+# loads this file too, before it starts the workers, and runs no test.
 
 # The seed of Python's, NumPy's, TensorFlow's and Keras' global random generators at the start of
 # every test: the same numbers in every run, whichever tests run and in whichever order.
@@ -33,12 +35,16 @@ def seeded():
     same values in every run. Child processes (`run_module`) seed themselves: the entry points
     set `keras.utils.set_random_seed` from their config (`experiments.configs.common`: seed 0).
     """
+    import keras
+
     keras.utils.set_random_seed(SEED)
 
 
 @pytest.fixture
 def policy():
     """Sets a global dtype policy for one test and restores float32 after it."""
+
+    import keras
 
     def set_policy(name):
         keras.mixed_precision.set_global_policy(name)

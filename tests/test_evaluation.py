@@ -8,7 +8,8 @@ import sklearn.metrics
 
 import keras_vit
 from keras_vit import evaluation
-from tests.conftest import random_images, randomize_weights, run_module
+from keras_vit.testing import random_images, randomize_weights
+from tests.conftest import run_module
 
 
 def fixed_predictions(n=300, classes=7, seed=0):

@@ -16,7 +16,7 @@ from experiments import train
 from experiments.configs import digits
 from keras_vit import data as vit_data
 from keras_vit import export
-from tests.conftest import random_images, randomize_weights
+from keras_vit.testing import random_images, randomize_weights
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ from PIL import Image
 import keras_vit
 from keras_vit import data as vit_data
 from keras_vit import export
-from tests.conftest import randomize_weights
+from keras_vit.testing import randomize_weights
 
 # === Images built to cost more than their size ===
 

@@ -6,7 +6,7 @@ import pytest
 
 from keras_vit import layers as vit_layers
 from keras_vit import resnet
-from tests.conftest import random_images
+from keras_vit.testing import random_images
 
 BASE_LAYER_KEYS = {"name", "trainable", "dtype"}
 

@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 import keras_vit
+from keras_vit.testing import random_images, randomize_weights
 from tests import numpy_vit
-from tests.conftest import random_images, randomize_weights
 
 SMALL = dict(hidden_dim=16, num_layers=2, num_heads=4, mlp_dim=32, patch_size=4)
 

@@ -18,8 +18,9 @@ from keras_vit import checkpoints
 from keras_vit.checkpoints.resample import interpolation_matrix
 from keras_vit.layers.embedding import antialiased_bicubic_weights
 from keras_vit.pretrained import PretrainedError
+from keras_vit.testing import random_images, randomize_weights
 from tests import numpy_vit
-from tests.conftest import random_images, randomize_weights, run_command_line
+from tests.conftest import run_command_line
 from tests.test_export import serve_all
 from tests.test_timm_weights import timm_python
 from tests.test_transformers_weights import CLASSES, HEADS, LAYERS, MLP, PATCH, SIDE, D, hand_written_state_dict

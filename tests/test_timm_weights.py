@@ -13,7 +13,7 @@ import pytest
 import keras_vit
 from keras_vit import checkpoints
 from keras_vit.checkpoints import timm as timm_weights
-from tests.conftest import random_images, randomize_weights
+from keras_vit.testing import random_images, randomize_weights
 
 SMALL = dict(hidden_dim=16, num_layers=2, num_heads=4, mlp_dim=64, patch_size=4)
 

@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 import keras_vit
 from keras_vit import checkpoints
-from tests.conftest import random_images, randomize_weights
+from keras_vit.testing import random_images, randomize_weights
 from tests.numpy_vit import vit_forward
 
 D, HEADS, MLP, LAYERS, PATCH, SIDE, CLASSES = 12, 3, 20, 2, 8, 24, 5

@@ -7,8 +7,8 @@ from sklearn.decomposition import PCA
 
 import keras_vit
 from keras_vit import visualize
+from keras_vit.testing import random_images, randomize_weights
 from tests import numpy_vit
-from tests.conftest import random_images, randomize_weights
 
 
 def small_vit(**kwargs):
