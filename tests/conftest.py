@@ -13,9 +13,6 @@ from tests import environments, scheduling  # noqa: E402
 
 # A child of tests/environments.py hides TensorFlow or splits the CPU before Keras is imported.
 environments.prepare()
-# An xdist worker shares the cores with the others (not a child: its environment is set up as it asks).
-if environments.CURRENT is None:
-    scheduling.share_the_cores()
 
 import pytest  # noqa: E402
 

@@ -114,32 +114,6 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def threads_per_worker():
-    """TensorFlow's threads for each pytest-xdist worker: the cores shared out among the workers (at least one),
-    or None outside xdist. By default every TensorFlow process sizes its thread pools to all the cores; two
-    workers on two cores then run four compute threads that spin and wait for each other (the fast tier used
-    about a tenth more CPU time so)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
-    if workers < 2:
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // workers)
-
-
-def share_the_cores():
-    """In an xdist worker, before TensorFlow starts its runtime: its thread pools sized by threads_per_worker.
-    Processes the tests start (a job's command line, an environment's child) keep TensorFlow's defaults."""
-    threads = threads_per_worker()
-    if threads is None:
-        return
-    try:
-        import tensorflow as tf
-    except ImportError:  # A session without TensorFlow: nothing to size.
-        return
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(threads)
-
-
 def setup_budget(group):
     """The seconds the setup of a test in `group` may take in the fast tier (it may start the group's fixture)."""
     if group is None:

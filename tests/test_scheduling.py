@@ -142,20 +142,3 @@ def test_an_environment_that_runs_in_anothers_child_is_grouped_with_it():
     assert environments.ENVIRONMENTS["onednn_off"].items() <= environments.ENVIRONMENTS["jax"].items()
     assert environments.CHILDREN == ["two_cpus", "jax", "jax_without_tensorflow"]
 
-
-def test_each_worker_runs_tensorflow_on_its_share_of_the_cores(monkeypatch):
-    import os
-
-    import tensorflow as tf
-
-    if scheduling.threads_per_worker() is not None:  # This is an xdist worker: its TensorFlow was sized so.
-        assert tf.config.threading.get_intra_op_parallelism_threads() == scheduling.threads_per_worker()
-        assert tf.config.threading.get_inter_op_parallelism_threads() == scheduling.threads_per_worker()
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    shares = {}
-    for workers in ("", "1", "2", "3", "8"):
-        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", workers)
-        shares[workers] = scheduling.threads_per_worker()
-    # Outside xdist, or one worker: TensorFlow's own sizing. Otherwise the cores shared out, one thread at least.
-    assert shares == {"": None, "1": None, "2": 2, "3": 1, "8": 1}
