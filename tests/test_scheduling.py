@@ -141,4 +141,3 @@ def test_an_environment_that_runs_in_anothers_child_is_grouped_with_it():
     assert off.get_closest_marker("xdist_group").args == ("environment_jax",)
     assert environments.ENVIRONMENTS["onednn_off"].items() <= environments.ENVIRONMENTS["jax"].items()
     assert environments.CHILDREN == ["two_cpus", "jax", "jax_without_tensorflow"]
-
