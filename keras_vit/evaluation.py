@@ -336,7 +336,7 @@ class TensorBoardFigures(keras.callbacks.Callback):
 
     def __init__(self, log_dir, validation_data, *, num_images=4, max_examples=2048, max_figures=10):
         super().__init__()
-        self.max_figures = None if max_figures is None else check_positive_int("max_figures", max_figures)
+        self.max_figures = check_positive_int("max_figures", max_figures, optional=True)
         self.log_dir, self.validation_data = str(log_dir), validation_data
         self.num_images, self.max_examples = num_images, max_examples
         self.writer = self.images = self.labels = self.rollout_inputs = None

@@ -191,8 +191,11 @@ def test_tensorboard_gets_the_confusion_matrix_and_rollouts_each_epoch(tmp_path)
     assert tensorboard_images(tmp_path / "spaced" / "validation") == {
         "confusion_matrix": [(1, 1), (2, 1)], "attention_rollout": [(1, 1), (2, 1)]
     }
-    with pytest.raises(ValueError, match=r"`max_figures` must be a positive integer. Received: max_figures=0"):
+    with pytest.raises(ValueError, match=r"`max_figures` must be a positive integer or None. Received: max_figures=0"):
         evaluation.TensorBoardFigures(tmp_path, validation, max_figures=0)
+    every_epoch = evaluation.TensorBoardFigures(tmp_path, validation, max_figures=None)  # None: every epoch
+    every_epoch.set_params({"epochs": 60})
+    assert all(every_epoch.writes_at(epoch) for epoch in range(60))
     # Each rollout image is the image beside itself weighted by the rollout map.
     side_by_side = evaluation.rollout_images(model, images[:3])
     assert side_by_side.shape == (3, 16, 32, 3)

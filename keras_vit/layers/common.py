@@ -14,10 +14,13 @@ def check_rate(name, value):
     return float(value)
 
 
-def check_positive_int(name, value):
-    """`value` if it is a positive int; a ValueError naming `name` otherwise."""
+def check_positive_int(name, value, optional=False):
+    """`value` if it is a positive int (or, if `optional`, None); a ValueError naming `name` otherwise."""
+    if optional and value is None:
+        return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+        expected = "a positive integer or None" if optional else "a positive integer"
+        raise ValueError(f"`{name}` must be {expected}. Received: {name}={value!r}")
     return value
 
 
