@@ -38,10 +38,12 @@ from keras_vit.variants import ViTConfig, parse_variant, to_pair
 # === Model and optimizer ===
 
 
-def build_model(config, num_classes):
-    """The ViT of config.model (a variant and `build_vit`'s keyword arguments) at config.image_size."""
+def build_model(config, num_classes, class_names=None):
+    """The ViT of config.model (a variant and `build_vit`'s keyword arguments) at config.image_size, with the
+    data's `class_names` (kept in the model's spec, so in every file it is saved to)."""
     model = dict(config.model)
-    return keras_vit.build_vit(model.pop("variant"), image_size=config.image_size, num_classes=num_classes, **model)
+    return keras_vit.build_vit(model.pop("variant"), image_size=config.image_size, num_classes=num_classes,
+                               class_names=class_names, **model)  # fmt: skip
 
 
 def vit_config(config):

@@ -208,7 +208,7 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
 
     # === Model, under the strategy's scope ===
     with scope():
-        model = common.build_model(config, dataset.num_classes)
+        model = common.build_model(config, dataset.num_classes, dataset.class_names)
         if config.pretrained:
             # An original .npz checkpoint; a head of another size stays zero for this task.
             keras_vit.load_pretrained(model, config.pretrained, interpolation=config.interpolation)

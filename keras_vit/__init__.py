@@ -36,11 +36,12 @@ from keras_vit.layers import (
     TransformerBlock,
 )
 from keras_vit.mixing import BatchMixer, enable_batch_mixing
-from keras_vit.model import build_vit
+from keras_vit.model import ViT, build_vit
 from keras_vit.parallel import check_model_parallel, get_layout_map, make_distribution
 from keras_vit.preprocessing import Preprocessing
 from keras_vit.pretrained import PretrainedError, from_pretrained
 from keras_vit.resnet import BottleneckUnit, ResNetStem, StandardizedConv2D
+from keras_vit.spec import ViTSpec
 from keras_vit.train_step import enable_gradient_accumulation
 from keras_vit.training import (
     SGD,
@@ -74,7 +75,9 @@ __all__ = [
     "TokenPooling",
     "TransformerBlock",
     "VARIANTS",
+    "ViT",
     "ViTConfig",
+    "ViTSpec",
     "WarmupLinearDecay",
     "build_vit",
     "check_model_parallel",

@@ -1,4 +1,8 @@
-"""`build_vit`: the Vision Transformer as a functional Keras model.
+"""`ViT`, the Vision Transformer as a Keras model, and `build_vit`, which makes one from a variant's name.
+
+A `ViT` is a functional `keras.Model` built from a `keras_vit.ViTSpec` (keras-hub's backbone pattern): its
+config is the spec, so `model.save` and `keras.models.load_model` restore the architecture, the preprocessing and
+the class names with the weights, and `model.preprocessing` and `model.class_names` are the spec's.
 
 Layer names are stable; the checkpoint converters map onto them:
 
@@ -25,27 +29,18 @@ axis is heads x head_dim), `mlp_norm` (LayerNorm_2), `mlp_dense_1` and
 `mlp_dense_2` (MlpBlock_3/Dense_0, Dense_1).
 """
 
+import re
+import warnings
+
 import keras
-import numpy as np
 
 from keras_vit import layers as vit_layers
-from keras_vit.layers.common import check_rate
-from keras_vit.layers.core import gelu_activation
+from keras_vit.layers.common import register
+from keras_vit.layers.quantization import Int8Kernels
 from keras_vit.resnet import ResNetStem
-from keras_vit.variants import parse_variant, to_pair
+from keras_vit.spec import CLASSIFIERS, POSITION_EMBEDDINGS, ViTSpec, pixel_statistics
 
-CLASSIFIERS = ("token", "gap", "map")
-POSITION_EMBEDDINGS = vit_layers.PatchEncoder.POSITION_EMBEDDINGS
-
-
-def _check_optional_positive(name, value):
-    if value is None or value == 0:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(
-            f"`{name}` must be a positive integer, or None. Received: {name}={value!r}"
-        )
-    return value
+__all__ = ["CLASSIFIERS", "POSITION_EMBEDDINGS", "ViT", "build_vit"]
 
 
 def _default_name(variant):
@@ -74,6 +69,8 @@ def build_vit(
     pre_norm=False,
     pooled_norm=False,
     layer_norm_epsilon=1e-6,
+    preprocessing=None,
+    class_names=None,
     name=None,
     **overrides,
 ):
@@ -127,142 +124,256 @@ def build_vit(
         layer_norm_epsilon: every LayerNorm's epsilon: 1e-6 as the original
             implementation, big_vision and most of timm; timm's CLIP models
             use 1e-5, transformers' `google/vit-*` configs 1e-12.
+        preprocessing: a `keras_vit.Preprocessing` for photos of any size
+            (evaluation and `serving_bytes`), kept by the model; its crop is
+            `image_size`, its mean and std the model's.  None: the shorter
+            side resized to the model's and the center cropped.
+        class_names: a name for each class, kept by the model (the
+            SavedModel's `top_k_names`, the evaluation's reports).
         name: model name, by default derived from the variant ("vit_b16").
         **overrides: `hidden_dim`, `num_layers`, `num_heads`, `mlp_dim`,
             `patch_size`; they win over the variant's table entry.
 
     Returns:
-        A functional `keras.Model` mapping (batch, height, width, channels)
-        images to float32 logits (batch, num_classes), or to the pooled
-        features when `num_classes` is None.
+        A `keras_vit.ViT` mapping (batch, height, width, channels) images to
+        float32 logits (batch, num_classes), or to the pooled features when
+        `num_classes` is None.
 
     >>> model = build_vit("testing", image_size=32, num_classes=10)
     >>> model.output_shape
     (None, 10)
     """
-    config = parse_variant(variant, **overrides)
-    height, width = to_pair(image_size, "image_size")
-    stride = 1 if config.resnet_layers is None else ResNetStem.stride(config.resnet_layers)
-    if height % (stride * config.patch_size[0]) or width % (stride * config.patch_size[1]):
-        hybrid = f" times the ResNet stride {stride}" if config.resnet_layers is not None else ""
-        raise ValueError(
-            f"`image_size` must be divisible by the patch size{hybrid}. Received: image_size="
-            f"{image_size!r}, patch_size={config.patch_size} (variant {variant!r})"
-        )
-    if classifier not in CLASSIFIERS:
-        raise ValueError(
-            f"`classifier` must be one of {CLASSIFIERS}. Received: classifier={classifier!r}"
-        )
-    if position_embedding not in POSITION_EMBEDDINGS:
-        raise ValueError(
-            f"`position_embedding` must be one of {POSITION_EMBEDDINGS}. Received: "
-            f"position_embedding={position_embedding!r}"
-        )
-    num_classes = _check_optional_positive("num_classes", num_classes)
-    representation_size = _check_optional_positive("representation_size", representation_size)
-    if not isinstance(num_channels, int) or isinstance(num_channels, bool) or num_channels < 1:
-        raise ValueError(
-            f"`num_channels` must be a positive integer. Received: num_channels={num_channels!r}"
-        )
-    gelu_activation(gelu)
-    for flag_name, flag in (("pre_norm", pre_norm), ("pooled_norm", pooled_norm)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"`{flag_name}` must be True or False. Received: {flag_name}={flag!r}")
-    if not isinstance(layer_norm_epsilon, (int, float)) or isinstance(layer_norm_epsilon, bool) or not (
-        0 < layer_norm_epsilon < 1
-    ):
-        raise ValueError(
-            f"`layer_norm_epsilon` must be a number in (0, 1). Received: layer_norm_epsilon={layer_norm_epsilon!r}"
-        )
-    epsilon = float(layer_norm_epsilon)
-    for rate_name, rate in (
-        ("dropout_rate", dropout_rate),
-        ("attention_dropout_rate", attention_dropout_rate),
-        ("stochastic_depth_rate", stochastic_depth_rate),
-    ):
-        check_rate(rate_name, rate)
-
-    # === Layers ===
-    if not isinstance(dynamic_image_size, bool):
-        raise ValueError(
-            f"`dynamic_image_size` must be True or False. Received: dynamic_image_size={dynamic_image_size!r}"
-        )
-    input_size = (None, None) if dynamic_image_size else (height, width)
-    images = keras.Input((*input_size, num_channels), name="images")
-    x = images
-    if include_rescaling:
-        x = _rescaling(pixel_mean, pixel_std, num_channels)(x)
-    elif pixel_mean is not None or pixel_std is not None:
-        raise ValueError(
-            "`pixel_mean` and `pixel_std` need include_rescaling=True. Received: include_rescaling=False"
-        )
-    if config.resnet_layers is not None:
-        x = ResNetStem(config.resnet_layers, name="resnet")(x)
-    x = vit_layers.PatchEncoder(
-        config.hidden_dim,
-        config.patch_size,
-        use_class_token=classifier == "token",
-        projection=patch_projection,
+    spec = ViTSpec.from_variant(
+        variant,
+        image_size=image_size,
+        dynamic_image_size=dynamic_image_size,
+        num_classes=num_classes,
+        classifier=classifier,
+        representation_size=representation_size,
+        dropout_rate=dropout_rate,
+        attention_dropout_rate=attention_dropout_rate,
+        stochastic_depth_rate=stochastic_depth_rate,
+        include_rescaling=include_rescaling,
+        pixel_mean=pixel_mean,
+        pixel_std=pixel_std,
+        num_channels=num_channels,
+        head_kernel_initializer=head_kernel_initializer,
+        patch_projection=patch_projection,
+        gelu=gelu,
         position_embedding=position_embedding,
-        base_image_size=(height // stride, width // stride) if dynamic_image_size else None,
-        name="patch_encoder",
+        pre_norm=pre_norm,
+        pooled_norm=pooled_norm,
+        layer_norm_epsilon=layer_norm_epsilon,
+        preprocessing=preprocessing,
+        class_names=class_names,
+        **overrides,
+    )
+    return ViT(spec, name=name or _default_name(variant))
+
+
+@register
+class ViT(keras.Model):
+    """The Vision Transformer: a functional Keras model made from a `keras_vit.ViTSpec`.
+
+    Takes (batch, height, width, channels) raw pixels and returns float32
+    logits (or, without a head, the pooled features); the layers are those of
+    the table at the top of `keras_vit.model`.  Its config is its spec: saved
+    with `model.save`, restored by `keras.models.load_model` with no
+    `custom_objects` (once keras_vit is imported), with the frozen layers
+    (`keras_vit.freeze_backbone`) and the dtype policy it was built with.
+
+    Args:
+        spec: a `ViTSpec` (or its `to_config()` dict).
+        frozen_layers: names of layers to build with `trainable=False`.
+        quantized: {layer path: quantized dtype policy name} of the layers to
+            quantize once built (what `get_config` records after `quantize`).
+        dtype: the dtype policy of every layer but the float32 head (default:
+            Keras' global policy).
+        shared_layers: layers of another model to use, by name, instead of
+            new ones (`keras_vit.replace_head`: the same backbone).
+        **kwargs: `name`, `trainable`: as for any Keras model.
+
+    Attributes:
+        spec: the `ViTSpec`.
+        preprocessing: the spec's `keras_vit.Preprocessing`, or None.
+        class_names: the spec's class names (a tuple), or None.
+    """
+
+    def __init__(self, spec, *, frozen_layers=(), dtype=None, quantized=None, shared_layers=None, **kwargs):
+        if isinstance(spec, dict):
+            spec = ViTSpec.from_config(spec)
+        if not isinstance(spec, ViTSpec):
+            raise ValueError(f"`spec` must be a keras_vit.ViTSpec. Received: {type(spec).__name__}")
+        images, outputs = _graph(spec, dtype, {layer.name: layer for layer in shared_layers or ()})
+        super().__init__(images, outputs, **kwargs)
+        self._spec = spec
+        for layer_name in frozen_layers:
+            self.get_layer(layer_name).trainable = False
+        if quantized:
+            layers = {layer.path: layer for layer in _all_layers(self)}
+            for path, policy in quantized.items():
+                if path not in layers:
+                    known = sorted(filter(None, layers))
+                    raise ValueError(f"No layer {path!r} to quantize in {self.name!r}. Layers: {known}")
+                layers[path].dtype_policy = policy  # Keras quantizes a built layer given a quantized policy.
+
+    @property
+    def spec(self):
+        return self._spec
+
+    @property
+    def preprocessing(self):
+        return self._spec.preprocessing
+
+    @property
+    def class_names(self):
+        return self._spec.class_names
+
+    def quantize(self, mode=None, config=None, filters=None, **kwargs):
+        """Keras' post-training quantization (`keras.Model.quantize`) of every matmul but the patch
+        embedding's: the attention's projections, the MLPs, the MAP head's and the head.
+
+        `mode`, `config` and `filters` (a regex of layer names, a list of them, or a callable on a layer) are
+        Keras'. The `Dense` layers take every mode Keras has; the attention's and the MAP head's own
+        kernels take "int8" (`keras_vit.layers.quantization`) and stay in float, with a warning, in the others.
+        A quantized model saves, reloads and exports as any other.
+        """
+        def matmul(layer):
+            return isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)) and _selected(layer, filters)
+
+        own = [layer for layer in _all_layers(self) if isinstance(layer, Int8Kernels) and _selected(layer, filters)]
+        refused = []
+        with warnings.catch_warnings():
+            # NumPy 2 about TensorFlow variables, as a kernel is read to quantize it: nothing a user can act on.
+            warnings.filterwarnings("ignore", message="__array__ implementation doesn't accept a copy keyword")
+            super().quantize(mode, config=config, filters=matmul, **kwargs)
+            for layer in own:
+                if layer.quantization_mode is None:
+                    try:
+                        layer.quantize(config.mode if mode is None and config is not None else mode, config=config)
+                    except NotImplementedError as error:
+                        refused.append(str(error))
+        for message in refused:
+            warnings.warn(message, stacklevel=2)
+        # Traced before: traced again, with the quantized layers.
+        self.train_function = self.test_function = self.predict_function = None
+
+    def get_config(self):
+        frozen = [layer.name for layer in self.layers if not layer.trainable and layer.weights]
+        config = {
+            "name": self.name,
+            "trainable": self.trainable,
+            "spec": self._spec.to_config(),
+            "frozen_layers": frozen,
+            "dtype": self.get_layer("patch_encoder").dtype_policy.name,
+        }
+        quantized = {layer.path: layer.dtype_policy.name for layer in _all_layers(self) if layer.quantization_mode}
+        if quantized:
+            config["quantized"] = quantized
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        return cls(**config)
+
+
+def _all_layers(model):
+    """The model's layers and, depth first, the layers they hold (a block's attention, norms, MLP)."""
+    found, seen = [], set()
+
+    def visit(layer):
+        if id(layer) in seen:
+            return
+        seen.add(id(layer))
+        found.append(layer)
+        for value in vars(layer).values():
+            if isinstance(value, keras.layers.Layer) and not isinstance(value, keras.Model):
+                visit(value)
+
+    for layer in model.layers:
+        visit(layer)
+    return found
+
+
+def _selected(layer, filters):
+    """Keras' `filters` of `Model.quantize`: None, a regex searched in the layer's name, a list of them, or a
+    callable on the layer."""
+    if filters is None:
+        return True
+    if isinstance(filters, str):
+        return re.search(filters, layer.name) is not None
+    if isinstance(filters, (list, tuple)):
+        return any(re.search(pattern, layer.name) for pattern in filters)
+    return bool(filters(layer))
+
+
+def _graph(spec, dtype=None, shared=None):
+    """The model's input and output tensors, each layer with the dtype policy `dtype` but the float32 head;
+    a layer named in `shared` ({name: layer}) is that layer, called here too."""
+    input_size = (None, None) if spec.dynamic_image_size else spec.image_size
+    images = keras.Input((*input_size, spec.num_channels), name="images")
+    epsilon, policy, shared = spec.layer_norm_epsilon, {"dtype": dtype} if dtype is not None else {}, shared or {}
+
+    def layer(name, make, *args, **kwargs):
+        return shared[name] if name in shared else make(*args, name=name, **kwargs)
+
+    x = images
+    if spec.include_rescaling:
+        x = layer("rescaling", _rescaling, spec, policy)(x)
+    if spec.resnet_layers is not None:
+        x = layer("resnet", ResNetStem, spec.resnet_layers, **policy)(x)
+    stride = spec.stride
+    x = layer(
+        "patch_encoder",
+        vit_layers.PatchEncoder,
+        spec.hidden_dim,
+        spec.patch_size,
+        use_class_token=spec.classifier == "token",
+        projection=spec.patch_projection,
+        position_embedding=spec.position_embedding,
+        base_image_size=tuple(side // stride for side in spec.image_size) if spec.dynamic_image_size else None,
+        **policy,
     )(x)
-    x = vit_layers.Dropout(dropout_rate, name="embedding_dropout")(x)
-    if pre_norm:
-        x = vit_layers.LayerNormalization(epsilon=epsilon, name="pre_norm")(x)
-    for i in range(config.num_layers):
-        depth_fraction = i / (config.num_layers - 1) if config.num_layers > 1 else 1.0
-        x = vit_layers.TransformerBlock(
-            num_heads=config.num_heads,
-            mlp_dim=config.mlp_dim,
-            dropout_rate=dropout_rate,
-            attention_dropout_rate=attention_dropout_rate,
-            stochastic_depth_rate=stochastic_depth_rate * depth_fraction,
-            gelu=gelu,
+    x = layer("embedding_dropout", vit_layers.Dropout, spec.dropout_rate, **policy)(x)
+    if spec.pre_norm:
+        x = layer("pre_norm", vit_layers.LayerNormalization, epsilon=epsilon, **policy)(x)
+    for i in range(spec.num_layers):
+        depth_fraction = i / (spec.num_layers - 1) if spec.num_layers > 1 else 1.0
+        x = layer(
+            f"encoderblock_{i}",
+            vit_layers.TransformerBlock,
+            num_heads=spec.num_heads,
+            mlp_dim=spec.mlp_dim,
+            dropout_rate=spec.dropout_rate,
+            attention_dropout_rate=spec.attention_dropout_rate,
+            stochastic_depth_rate=spec.stochastic_depth_rate * depth_fraction,
+            gelu=spec.gelu,
             layer_norm_epsilon=epsilon,
-            name=f"encoderblock_{i}",
+            **policy,
         )(x)
-    if not pooled_norm:
-        x = vit_layers.LayerNormalization(epsilon=epsilon, name="encoder_norm")(x)
-    if classifier == "map":
-        x = vit_layers.MAPHead(
-            config.num_heads, config.mlp_dim, gelu=gelu, layer_norm_epsilon=epsilon, name="pooling"
-        )(x)
+    if not spec.pooled_norm:
+        x = layer("encoder_norm", vit_layers.LayerNormalization, epsilon=epsilon, **policy)(x)
+    if spec.classifier == "map":
+        x = layer("pooling", vit_layers.MAPHead, spec.num_heads, spec.mlp_dim, gelu=spec.gelu,
+                  layer_norm_epsilon=epsilon, **policy)(x)  # fmt: skip
     else:
-        x = vit_layers.TokenPooling(classifier, name="pooling")(x)
-    if pooled_norm:
-        x = vit_layers.LayerNormalization(epsilon=epsilon, name="pooled_norm")(x)
-    if representation_size:
-        x = keras.layers.Dense(representation_size, activation="tanh", name="pre_logits")(x)
-    if num_classes:
+        x = layer("pooling", vit_layers.TokenPooling, spec.classifier, **policy)(x)
+    if spec.pooled_norm:
+        x = layer("pooled_norm", vit_layers.LayerNormalization, epsilon=epsilon, **policy)(x)
+    if spec.representation_size:
+        x = layer("pre_logits", keras.layers.Dense, spec.representation_size, activation="tanh", **policy)(x)
+    if spec.num_classes:
         # float32 logits under any policy: softmax and the loss need the range.
-        x = keras.layers.Dense(
-            num_classes,
-            kernel_initializer=head_kernel_initializer,
-            dtype="float32",
-            name="head",
-        )(x)
-    return keras.Model(images, x, name=name or _default_name(variant))
+        x = layer("head", keras.layers.Dense, spec.num_classes, kernel_initializer=spec.head_kernel_initializer,
+                  dtype="float32")(x)  # fmt: skip
+    return images, x
 
 
-def _rescaling(pixel_mean, pixel_std, num_channels):
+def _rescaling(spec, policy, name):
     """The layer mapping raw pixels to what the weights expect: [-1, 1], or (x / 255 - mean) / std."""
-    if pixel_mean is None and pixel_std is None:
-        return keras.layers.Rescaling(1.0 / 127.5, offset=-1.0, name="rescaling")
-    if pixel_mean is None or pixel_std is None:
-        raise ValueError(
-            "`pixel_mean` and `pixel_std` go together. Received: "
-            f"pixel_mean={pixel_mean!r}, pixel_std={pixel_std!r}"
-        )
-    try:
-        mean, std = (np.broadcast_to(np.asarray(v, np.float64), (num_channels,)) for v in (pixel_mean, pixel_std))
-    except (TypeError, ValueError):
-        mean = std = np.full(num_channels, np.nan)
-    if not (np.all(np.isfinite(mean)) and np.all(std > 0) and np.all(np.isfinite(std))):
-        raise ValueError(
-            "`pixel_mean` must be finite and `pixel_std` positive, one value or one per channel. Received: "
-            f"pixel_mean={pixel_mean!r}, pixel_std={pixel_std!r}"
-        )
+    if spec.pixel_mean is None:
+        return keras.layers.Rescaling(1.0 / 127.5, offset=-1.0, name=name, **policy)
+    mean, std = pixel_statistics(spec.pixel_mean, spec.pixel_std, spec.num_channels)
     return keras.layers.Rescaling(
-        [float(v) for v in 1.0 / (255.0 * std)], offset=[float(v) for v in -mean / std], name="rescaling"
+        [float(v) for v in 1.0 / (255.0 * std)], offset=[float(v) for v in -mean / std], name=name, **policy
     )

@@ -88,6 +88,14 @@ class Preprocessing:
         resize = tuple(int(side / crop_fraction + 1e-9) for side in (height, width))
         return cls((height, width), resize, keep_aspect_ratio=keep_aspect_ratio, **kwargs)
 
+    def at_size(self, image_size):
+        """The same preprocessing for a model of another `image_size`: the resize scaled with the crop."""
+        size = to_pair(image_size, "image_size")
+        if size == self.image_size:
+            return self
+        resize = tuple(int(r * s / c) for r, s, c in zip(self.resize_size, size, self.image_size))
+        return dataclasses.replace(self, image_size=size, resize_size=resize)
+
     @property
     def resize_method(self):
         """TensorFlow's name of the resize filter (`tf.image.resize`'s `method`)."""

@@ -15,9 +15,10 @@ Three layouts are read, the architecture taken from the files themselves:
 Widths, depth, MLP width, patch size, channels, class token, MAP head, `norm_pre`, `fc_norm`, the
 representation layer and the head are read from the arrays; what the arrays cannot say (the number of
 attention heads of a timm file, the GELU, LayerNorm's epsilon, the image size of a non-square grid) from the
-config.  The model carries what it needs to be used like the weights' own library: `model.preprocessing` (a
-`keras_vit.Preprocessing`: the evaluation resize and crop; the model itself applies the mean and std) and
-`model.class_names` (from `id2label` or timm's `label_names`; None when the config has none).
+config.  The model, a `keras_vit.ViT`, carries what it needs to be used like the weights' own library, in its
+spec and so in every `.keras` file it is saved to: `model.preprocessing` (a `keras_vit.Preprocessing`: the
+evaluation resize and crop; the model itself applies the mean and std) and `model.class_names` (from
+`id2label` or timm's `label_names`; None when the config has none).
 """
 
 import json
@@ -361,7 +362,7 @@ def _transformers_options(config, preprocessor, path):
 
 def from_pretrained(name_or_path, *, image_size=None, num_classes="file", class_names=None, interpolation=None,
                     num_heads=None, cache_dir=None, **build_options):
-    """A model from `build_vit` with pretrained weights, its architecture read from the files.
+    """A `keras_vit.ViT` with pretrained weights, its architecture read from the files.
 
     Args:
         name_or_path: a Hugging Face hub id ("timm/vit_base_patch16_224.augreg2_in21k_ft_in1k",
@@ -392,10 +393,11 @@ def from_pretrained(name_or_path, *, image_size=None, num_classes="file", class_
             `patch_projection`, `head_kernel_initializer`, `name`.
 
     Returns:
-        A Keras model taking raw pixels (uint8 or float in [0, 255]) at its
-        size, with `model.preprocessing` (a `Preprocessing`: the resize and
-        crop of photos for evaluation, what `export_saved_model` bakes into
-        `serving_bytes`) and `model.class_names` (a tuple, or None).
+        A `keras_vit.ViT` taking raw pixels (uint8 or float in [0, 255]) at
+        its size, whose spec holds `preprocessing` (a `Preprocessing`: the
+        resize and crop of photos for evaluation, what `export_saved_model`
+        bakes into `serving_bytes`) and `class_names` (a tuple, or None);
+        `model.save` keeps both.
 
     Raises:
         PretrainedError naming the id or path and the layouts read when
@@ -450,13 +452,16 @@ def from_pretrained(name_or_path, *, image_size=None, num_classes="file", class_
     if names is not None and len(names) != (num_classes or 0):
         raise ValueError(f"{len(names)} class names for a model with num_classes={num_classes}.")
     variant = arguments.pop("variant", None) or _variant_name(arguments)
+    size = to_pair(image_size or own_size, "image_size")
     model = build_vit(
         variant,
-        image_size=image_size or own_size,
+        image_size=size,
         dynamic_image_size=dynamic,
         num_classes=num_classes,
         pixel_mean=_statistic(preprocessing, "mean"),
         pixel_std=_statistic(preprocessing, "std"),
+        preprocessing=_preprocessing(preprocessing, size),
+        class_names=names or None,
         name=build_options.pop("name", None) or _model_name(label),
         **arguments,
         **options,
@@ -464,8 +469,6 @@ def from_pretrained(name_or_path, *, image_size=None, num_classes="file", class_
     )
     new_head = (num_classes or None) != file_classes
     model_io.load_params(model, raw, interpolation=interpolation, skip_mismatched_head=new_head, label=label)
-    model.preprocessing = _preprocessing(preprocessing, model, image_size or own_size)
-    model.class_names = tuple(str(n) for n in names) if names else None
     return model
 
 
@@ -499,17 +502,12 @@ def _statistic(preprocessing, key):
     return tuple(float(v) for v in preprocessing[key])
 
 
-def _preprocessing(arguments, model, own_size):
+def _preprocessing(arguments, size):
     """The model's `Preprocessing`: the file's, at the model's size where that was changed."""
-    size = tuple(model.input_shape[1:3])
-    if None in size:
-        size = own_size
     if arguments is None:  # The original checkpoints: squashed to the model's size, bilinear.
         return Preprocessing(size, size, keep_aspect_ratio=False, interpolation="bilinear")
     arguments = dict(arguments)
     if "crop_fraction" in arguments:
         return Preprocessing.center_crop(size, arguments.pop("crop_fraction"), **arguments)
     crop, resize = arguments.pop("image_size"), arguments.pop("resize_size")
-    if tuple(crop) != size:  # Scaled with the model.
-        resize = tuple(int(r * s / c) for r, s, c in zip(resize, size, crop))
-    return Preprocessing(size, resize, **arguments)
+    return Preprocessing(crop, resize, **arguments).at_size(size)  # Scaled with the model.

@@ -18,6 +18,7 @@ DOCTEST_MODULES = (
     "keras_vit.layers.encoder",
     "keras_vit.layers.core",
     "keras_vit.model",
+    "keras_vit.spec",
     "keras_vit.resnet",
     "keras_vit.flops",
     "keras_vit.visualize",
@@ -100,3 +101,13 @@ def test_readme_commands_match_ci():
     assert len(commands) == 2
     install_and_test = commands[1]
     assert "pytest" in install_and_test and install_and_test in ci
+
+
+def test_readme_is_a_users_page_whose_versions_are_the_tested_ones():
+    """At most 250 lines (the details are in docs/), and the lowest TensorFlow it names is the one CI tests."""
+    readme = (ROOT / "README.md").read_text()
+    assert readme.count("\n") <= 250, f"README.md has {readme.count(chr(10))} lines; move details to docs/"
+    named = re.search(r"TensorFlow >= (\d+\.\d+)", readme)
+    tested = re.search(r'tensorflow-cpu==(\d+\.\d+)\.\*', (ROOT / ".ci" / "run").read_text())
+    assert named and tested, "README.md names no 'TensorFlow >= X.Y', or .ci/run installs no tensorflow-cpu==X.Y.*"
+    assert named.group(1) == tested.group(1), (named.group(0), tested.group(0))

@@ -20,7 +20,10 @@ ANY_BACKEND_MODES = ("infer", "train", "attention")
 JIT_COMPILE = ("auto", "on", "off")
 # The flags each mode reads: its config in a results row.
 MODE_FLAGS = {
-    "infer": ("variant", "image_size", "batch_size", "precision", "jit", "compare", "steps", "repeats", "float32_row"),
+    "infer": (
+        "variant", "image_size", "batch_size", "precision", "jit", "compare", "steps", "repeats", "float32_row",
+        "quantize",
+    ),  # fmt: skip
     "attention": ("variant", "image_size", "batch_size", "precision", "jit", "repeats"),
     "profile": ("variant", "image_size", "batch_size", "precision", "repeats"),
     "train_profile": ("variant", "image_size", "batch_size", "repeats"),
@@ -31,7 +34,7 @@ MODE_FLAGS = {
         "randaugment", "model_garden", "input_images",
     ),  # fmt: skip
 }
-MODE_FLAGS["train"] = MODE_FLAGS["infer"]
+MODE_FLAGS["train"] = MODE_FLAGS["infer"][:-1]
 
 FLAGS = flags.FLAGS
 
@@ -86,6 +89,11 @@ def define_flags(flag_values=FLAGS):
         "float32_row", True,
         "infer/train with a 16-bit --precision: also measure our float32 model (the 16-bit speed-up).", **f,
     )  # fmt: skip
+    flags.DEFINE_enum(
+        "quantize", "none", ["none", "int8"],
+        "infer: keras_vit's model quantized with Keras' model.quantize (int8 weights and activations in every matmul "
+        "but the patch embedding's), and also measured unquantized: the quantization's speed-up.", **f,
+    )  # fmt: skip
     flags.DEFINE_string(
         "results_file", "",
         "Appends the run's row (figures, ratios, command, commit, versions, device) to this JSON-lines file, "
@@ -116,9 +124,12 @@ def measure(mode, repeats):
     if mode in ("infer", "train"):
         from experiments.benchmark.throughput import throughput
 
+        if mode == "train" and FLAGS.quantize != "none":
+            raise SystemExit(f"--quantize={FLAGS.quantize} measures inference: use it with --mode=infer.")
         return throughput(
             FLAGS.variant, FLAGS.image_size, FLAGS.batch_size, mode, FLAGS.precision, FLAGS.jit, FLAGS.compare,
             repeats, FLAGS.steps, FLAGS.float32_row, timm_python=FLAGS.timm_python or None,
+            quantize=None if FLAGS.quantize == "none" else FLAGS.quantize,
         )  # fmt: skip
     if mode == "attention":
         from experiments.benchmark.attention import attention

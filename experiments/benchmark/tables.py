@@ -70,7 +70,7 @@ def measurement_key(row):
     config = row["config"]
     return (
         row["mode"], config["variant"], config["image_size"], config["batch_size"], config["precision"],
-        row.get("xla"), row.get("backend"),
+        row.get("xla"), row.get("backend"), config.get("quantize", "none"),
     )  # fmt: skip
 
 
@@ -95,7 +95,8 @@ def label(row):
     what = "training step (AdamW)" if row["mode"] == "train" else "inference"
     size = f" at {config['image_size']} px" if config["image_size"] != DEFAULT_IMAGE_SIZE else ""
     xla = "XLA" if row.get("xla") else "no XLA"
-    return f"{config['variant']} {what}{size}, batch {config['batch_size']}, {config['precision']}, {xla}"
+    quantized = f", {config['quantize']} (model.quantize)" if config.get("quantize", "none") != "none" else ""
+    return f"{config['variant']} {what}{size}, batch {config['batch_size']}, {config['precision']}{quantized}, {xla}"
 
 
 def peer_cell(row, peer):
@@ -153,10 +154,12 @@ def table(rows, platform):
         return "No results yet.\n"
     peers = [peer for peer in PEER_LABELS if any(peer in row["ratios"] for row in rows)]
     float32 = any("float32" in row["ratios"] for row in rows)
+    quantized = any("quantized" in row["ratios"] for row in rows)
     peak = any(peak_cell(row) != "—" for row in rows)
     header = ["measurement (224 px unless noted)", "keras_vit images/s"]
     header += [PEER_LABELS[peer] for peer in peers] + [f"ours / {PEER_LABELS[peer]}" for peer in peers]
     header += ["ours 16-bit / float32"] * float32
+    header += ["ours quantized / unquantized"] * quantized
     header += ["MFU" if platform.startswith(("gpu", "tpu")) else "of matmul peak"] * peak
     header += ["measured"]
     notes, lines = {}, []
@@ -169,6 +172,7 @@ def table(rows, platform):
         cells = [label(row), images_per_second(figures["images_per_second"][figures["ours"]])]
         cells += [peer_cell(row, peer) for peer in peers] + [ratio_cell(row, peer) for peer in peers]
         cells += [ratio_cell(row, "float32")] * float32
+        cells += [ratio_cell(row, "quantized")] * quantized
         cells += [peak_cell(row)] * peak
         cells += [f"{row['date'][:10]} [{', '.join(letters)}]"]
         lines.append(cells)

@@ -84,7 +84,8 @@ def keras_contender(model, mode, images, labels, batch_size, jit_compile):
 
 
 def throughput(
-    variant, image_size, batch_size, mode, precision, jit, compare, repeats, steps, float32_row=True, timm_python=None
+    variant, image_size, batch_size, mode, precision, jit, compare, repeats, steps, float32_row=True, timm_python=None,
+    quantize=None,
 ):  # fmt: skip
     """Measures and prints images/s, FLOP/s and ratios.
 
@@ -114,9 +115,13 @@ def throughput(
         contenders[name] = (run, model.count_params())
         return name
 
-    ours_name = add_keras(
-        "keras_vit", keras_vit.build_vit(variant, image_size=image_size, num_classes=NUM_CLASSES), jit_compile
-    )
+    ours = keras_vit.build_vit(variant, image_size=image_size, num_classes=NUM_CLASSES)
+    if quantize:  # The same weights unquantized, then quantized: the quantization's speed-up.
+        unquantized = keras_vit.build_vit(variant, image_size=image_size, num_classes=NUM_CLASSES)
+        unquantized.set_weights(ours.get_weights())
+        unquantized_name = add_keras("keras_vit unquantized", unquantized, jit_compile)
+        ours.quantize(quantize)
+    ours_name = add_keras(f"keras_vit {quantize}" if quantize else "keras_vit", ours, jit_compile)
     measure_float32 = float32_row and precision != "float32"
     if measure_float32:  # Our own float32 model, for the speed-up of the 16-bit policy.
         keras.mixed_precision.set_dtype_policy("float32")
@@ -201,6 +206,9 @@ def throughput(
             f"{100 * rate * flops / peak:7.1f}% {median[ours_name] / rate:8.2f}x"
         )
     ratios = {}
+    if quantize:
+        ratios["quantized"] = {"ratio": median[ours_name] / median[unquantized_name], "against": unquantized_name}
+        print(f"keras_vit {quantize} / keras_vit unquantized: {ratios['quantized']['ratio']:.2f}x")
     if measure_float32:
         ratios["float32"] = {"ratio": median[ours_name] / median[float32_name], "against": float32_name}
         print(f"keras_vit {precision} / keras_vit float32: {ratios['float32']['ratio']:.2f}x")

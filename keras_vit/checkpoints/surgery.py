@@ -6,6 +6,7 @@ import keras
 from keras_vit.checkpoints.base import check_interpolation
 from keras_vit.checkpoints.resample import resample_position_embeddings
 from keras_vit.layers import PatchEncoder
+from keras_vit.model import ViT
 from keras_vit.resnet import ResNetStem
 from keras_vit.variants import to_pair
 
@@ -68,6 +69,14 @@ def _rebuild(model, image_size=None):
     return keras.Model(inputs, x, name=model.name), list(zip(layers[1:], clones))
 
 
+def _frozen(model, but=()):
+    return [layer.name for layer in model.layers if not layer.trainable and layer.name not in but]
+
+
+def _policy(model):
+    return model.get_layer("patch_encoder").dtype_policy.name
+
+
 def set_image_size(model, image_size, interpolation="bicubic"):
     """A new model at another resolution with the same weights.
 
@@ -75,10 +84,20 @@ def set_image_size(model, image_size, interpolation="bicubic"):
     `resample_position_embeddings`), fixed sin-cos ones are computed for it;
     every other weight is copied.  Fine-tune at the new size: resampling alone
     costs accuracy (about 9.5% top-1 from 384 to 224 px,
-    google-research/vision_transformer issue 6).
+    google-research/vision_transformer issue 6).  A `keras_vit.ViT` keeps its
+    spec: its class names, and its preprocessing scaled to the new size.
     """
     check_interpolation(interpolation)
-    new_model, pairs = _rebuild(model, image_size)
+    if isinstance(model, ViT):
+        size = to_pair(image_size, "image_size")
+        preprocessing = model.preprocessing
+        spec = model.spec.replace(
+            image_size=size, preprocessing=None if preprocessing is None else preprocessing.at_size(size)
+        )
+        new_model = ViT(spec, name=model.name, frozen_layers=_frozen(model), dtype=_policy(model))
+        pairs = [(layer, new_model.get_layer(layer.name)) for layer in model.layers[1:]]
+    else:
+        new_model, pairs = _rebuild(model, image_size)
     for old, new in pairs:
         values = old.get_weights()
         if isinstance(old, PatchEncoder) and old.position_embedding_type == "learned":
@@ -97,8 +116,13 @@ def set_image_size(model, image_size, interpolation="bicubic"):
 def replace_head(model, num_classes, *, name=None):
     """The same backbone (shared layers and weights) with a new zero-initialised head.
 
-    `num_classes=None` returns the backbone: the pooled (or pre-logits) features.
+    `num_classes=None` returns the backbone: the pooled (or pre-logits) features.  A `keras_vit.ViT` keeps its
+    spec but for the head: the preprocessing stays, the class names go with the old head.
     """
+    if isinstance(model, ViT):
+        spec = model.spec.replace(num_classes=num_classes or None, class_names=None, head_kernel_initializer="zeros")
+        shared = [layer for layer in model.layers[1:] if layer.name != "head"]
+        return ViT(spec, name=name or model.name, shared_layers=shared, dtype=_policy(model))
     features = model.get_layer("head").input if "head" in [layer.name for layer in model.layers] else model.output
     outputs = features
     if num_classes:

@@ -6,10 +6,11 @@ import numpy as np
 from keras_vit import kernels
 from keras_vit.layers.common import add_stacked_projections, check_positive_int, check_rate, register
 from keras_vit.layers.core import Dropout
+from keras_vit.layers.quantization import Int8Kernels
 
 
 @register
-class MultiHeadSelfAttention(keras.layers.Layer):
+class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
     """Multi-head scaled dot-product self-attention.
 
     [q, k, v] = z U_qkv;  A = softmax(q k^T / sqrt(D_h));  MSA(z) = [A_1 v_1, ..., A_k v_k] U_msa
@@ -37,13 +38,18 @@ class MultiHeadSelfAttention(keras.layers.Layer):
             (batch, heads, tokens, tokens).
 
     Weights: `qkv_kernel` (hidden, 3, hidden), `qkv_bias` (3, hidden),
-    `output_kernel` (hidden, hidden), `output_bias` (hidden,).
+    `output_kernel` (hidden, hidden), `output_bias` (hidden,). Quantized to
+    int8 (`model.quantize("int8")`, `keras_vit.layers.quantization`), both
+    kernels are int8 with a float `qkv_kernel_scale` (3, hidden) and
+    `output_kernel_scale` (hidden,).
 
     >>> attention = MultiHeadSelfAttention(num_heads=2)
     >>> outputs, scores = attention(keras.ops.zeros((1, 5, 8)), return_attention_scores=True)
     >>> tuple(outputs.shape), tuple(scores.shape)
     ((1, 5, 8), (1, 2, 5, 5))
     """
+
+    QUANTIZED_KERNELS = ("qkv_kernel", "output_kernel")
 
     def __init__(self, num_heads, dropout_rate=0.0, seed=None, **kwargs):
         super().__init__(**kwargs)
@@ -63,12 +69,15 @@ class MultiHeadSelfAttention(keras.layers.Layer):
             name="output_kernel", shape=(hidden, hidden), initializer="glorot_uniform"
         )
         self.output_bias = self.add_weight(name="output_bias", shape=(hidden,), initializer="zeros")
-        self.attention_dropout = Dropout(self.dropout_rate, seed=self.seed, name="attention_dropout")
+        self.attention_dropout = Dropout(
+            self.dropout_rate, seed=self.seed, dtype=self.dtype_policy, name="attention_dropout"
+        )
+        self.build_quantized()
 
     def call(self, inputs, training=None, return_attention_scores=False):
         if not self.trainable:  # Frozen: inference mode, no attention dropout.
             training = False
-        qkv = kernels.dense(inputs, self.qkv_kernel, self.qkv_bias)
+        qkv = self.project(inputs, "qkv_kernel", self.qkv_bias, kernels.dense)
         attended = kernels.attention(
             qkv,
             self.num_heads,
@@ -78,7 +87,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         )
         if return_attention_scores:
             attended, scores = attended
-        outputs = kernels.dense(attended, self.output_kernel, self.output_bias)
+        outputs = self.project(attended, "output_kernel", self.output_bias, kernels.dense)
         return (outputs, scores) if return_attention_scores else outputs
 
     def compute_output_shape(self, input_shape):
@@ -87,7 +96,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
     def load_own_variables(self, store):
         """Keras' loading, also of files saved with the flat layout: a (hidden, 3 * hidden)
         `qkv_kernel` and a (3 * hidden,) `qkv_bias`, reshaped to (hidden, 3, hidden) and (3, hidden)."""
-        if not self.built:
+        if not self.built or self.quantization_mode is not None:
             return super().load_own_variables(store)
         arrays = {key: store[key] for key in store.keys()}
         # Keras keys a layer's own variables by creation order, trainable ones first:

@@ -42,6 +42,11 @@ class Dense(keras.layers.Dense):
     (2, 3, 4)
     """
 
+    def quantize(self, mode=None, type_check=True, config=None):
+        # Keras' Dense quantizes its subclasses when told that they compute what it computes, as this one does;
+        # quantized, Keras' own int8/int4/float8 call runs instead of `call`.
+        super().quantize(mode, type_check=False, config=config)
+
     def call(self, inputs, training=None):
         # The activations `kernels.dense` computes itself (fused with the matmul where it can).
         fused = {keras.activations.gelu: "gelu", gelu_tanh: "gelu_tanh"}.get(self.activation)

@@ -7,6 +7,7 @@ from keras_vit import kernels
 from keras_vit.layers.attention import MultiHeadSelfAttention
 from keras_vit.layers.common import add_stacked_projections, check_positive_int, check_rate, register
 from keras_vit.layers.core import Dense, Dropout, LayerNormalization, gelu_activation
+from keras_vit.layers.quantization import Int8Kernels
 
 
 @register
@@ -74,7 +75,7 @@ class TransformerBlock(keras.layers.Layer):
         self.mlp_norm = LayerNormalization(epsilon=self.layer_norm_epsilon, dtype=policy, name="mlp_norm")
         self.mlp_dense_1 = Dense(self.mlp_dim, activation=gelu_activation(self.gelu), dtype=policy, name="mlp_dense_1")
         self.mlp_dense_2 = Dense(hidden, dtype=policy, name="mlp_dense_2")
-        self.dropout = Dropout(self.dropout_rate, seed=self.seed)
+        self.dropout = Dropout(self.dropout_rate, seed=self.seed, dtype=policy)
         self.seed_generator = keras.random.SeedGenerator(self.seed)
         for layer, shape in (
             (self.attention_norm, input_shape),
@@ -162,7 +163,7 @@ class TokenPooling(keras.layers.Layer):
 
 
 @register
-class MAPHead(keras.layers.Layer):
+class MAPHead(Int8Kernels, keras.layers.Layer):
     """Multi-head attention pooling: a learned probe attends to the tokens.
 
     big_vision's `MAPHead` (Zhai et al. 2022, "Scaling Vision Transformers";
@@ -191,7 +192,8 @@ class MAPHead(keras.layers.Layer):
     head_dim on the last axis, as `MultiHeadSelfAttention`'s), `output_kernel`
     (hidden, hidden), `output_bias` (hidden,); sublayers `norm`, `mlp_dense_1`,
     `mlp_dense_2`. 4 hidden^2 + 2 hidden mlp_dim + mlp_dim + 8 hidden
-    parameters, big_vision's count.
+    parameters, big_vision's count. Quantized to int8, the three kernels are
+    int8 with a float `NAME_scale` each (`keras_vit.layers.quantization`).
 
     >>> head = MAPHead(num_heads=2, mlp_dim=16)
     >>> tuple(head(keras.ops.zeros((3, 5, 8))).shape)
@@ -199,6 +201,8 @@ class MAPHead(keras.layers.Layer):
     >>> head.count_params() == 4 * 8 * 8 + 2 * 8 * 16 + 16 + 8 * 8
     True
     """
+
+    QUANTIZED_KERNELS = ("query_kernel", "key_value_kernel", "output_kernel")
 
     def __init__(self, num_heads, mlp_dim, gelu="exact", layer_norm_epsilon=1e-6, **kwargs):
         super().__init__(**kwargs)
@@ -229,16 +233,17 @@ class MAPHead(keras.layers.Layer):
         self.norm.build(pooled)
         self.mlp_dense_1.build(pooled)
         self.mlp_dense_2.build((input_shape[0], 1, self.mlp_dim))
+        self.build_quantized()
 
     def call(self, tokens, training=None):
         if not self.trainable:  # Frozen: inference mode.
             training = False
         probe = ops.cast(self.probe, tokens.dtype)
         probe = ops.broadcast_to(probe, (ops.shape(tokens)[0], 1, tokens.shape[-1]))
-        query = kernels.dense(probe, self.query_kernel, self.query_bias)  # (batch, 1, hidden)
-        key_value = kernels.dense(tokens, self.key_value_kernel, self.key_value_bias)  # (batch, tokens, 2, hidden)
+        query = self.project(probe, "query_kernel", self.query_bias, kernels.dense)  # (batch, 1, hidden)
+        key_value = self.project(tokens, "key_value_kernel", self.key_value_bias, kernels.dense)  # (b, t, 2, hidden)
         attended = kernels.cross_attention(query, key_value, self.num_heads, training=training)
-        x = kernels.dense(attended, self.output_kernel, self.output_bias)
+        x = self.project(attended, "output_kernel", self.output_bias, kernels.dense)
         x = x + self.mlp_dense_2(self.mlp_dense_1(self.norm(x, training=training)))
         return x[:, 0]
 

@@ -1,0 +1,91 @@
+"""Keras' post-training quantization for the layers whose matmuls use kernels of their own.
+
+`model.quantize("int8")` (Keras 3) converts each layer through the hooks of Keras' guide "Writing
+quantization-compatible layers": `quantize(mode)` replaces the float kernels by int8 ones with a scale per
+output column (abs-max, as `keras.layers.Dense` does), switches the layer's dtype policy to `int8_from_...`, and
+Keras then calls `_int8_call` instead of `call`. The attention's query-key-value and output projections and the
+MAP head's are such kernels (`MultiHeadSelfAttention`, `MAPHead`); the MLPs and the head are `Dense` layers,
+which Keras quantizes itself, in every mode it has.
+
+The int8 matmul is Keras' own: the inputs quantized per token (abs-max over the last axis), an int8 x int8
+matmul into int32, the result divided by both scales (Jacob et al. 2018, symmetric per-channel weights).
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+
+def int8_dense(x, kernel, kernel_scale, bias, dtype):
+    """x @ kernel + bias with an int8 `kernel` (its first axis contracted with x's last, its other axes those of
+    the result) and its per-column `kernel_scale` (the kernel's other axes): x quantized per row, an int8
+    matmul, then de-scaled to `dtype`."""
+    shape = tuple(kernel.shape)
+    inputs, inputs_scale = keras.quantizers.abs_max_quantize(x, axis=-1)
+    y = ops.matmul(inputs, ops.reshape(kernel, (shape[0], -1)))
+    y = ops.divide(ops.cast(y, dtype), ops.multiply(ops.cast(inputs_scale, dtype), ops.reshape(kernel_scale, (-1,))))
+    if len(shape) > 2:  # (..., n * hidden) -> (..., n, hidden), as the float kernel's result.
+        y = ops.reshape(y, (*ops.shape(y)[:-1], *shape[1:]))
+    return y if bias is None else ops.add(y, ops.cast(bias, dtype))
+
+
+class Int8Kernels:
+    """Keras' int8 quantization for a layer whose kernels are its own weights, named in `QUANTIZED_KERNELS`.
+
+    The layer computes its projections with `self.project(x, name, bias)`, which runs the int8 matmul once
+    the layer is quantized. Other modes (int4, float8, GPTQ) are refused with NotImplementedError, which
+    `model.quantize` turns into a warning: those layers then stay in float.
+    """
+
+    QUANTIZED_KERNELS = ()
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        if mode != "int8":
+            raise NotImplementedError(
+                f"Layer {type(self).__name__} ({self.name!r}) quantizes its kernels to int8 only. "
+                f"Received: mode={mode!r}"
+            )
+        self.quantize_kernels()
+        if self.dtype_policy.quantization_mode is None:
+            self.dtype_policy = keras.dtype_policies.get(f"int8_from_{self.dtype_policy.name}")
+
+    def quantize_kernels(self):
+        """Replaces each float kernel by int8 values and a float scale per output column (`NAME_scale`)."""
+        for name in self.QUANTIZED_KERNELS:
+            variable = getattr(self, name)
+            shape = tuple(variable.shape)
+            values, scale = keras.quantizers.abs_max_quantize(
+                np.reshape(ops.convert_to_numpy(variable), (shape[0], -1)), axis=0, to_numpy=True
+            )
+            delattr(self, name)
+            kernel = self.add_weight(name=name, shape=shape, initializer="zeros", dtype="int8", trainable=False)
+            kernel.assign(np.reshape(values, shape))
+            kernel_scale = self.add_weight(name=f"{name}_scale", shape=shape[1:], initializer="ones", trainable=False)
+            kernel_scale.assign(np.reshape(scale, shape[1:]))
+            setattr(self, name, kernel)
+            setattr(self, f"{name}_scale", kernel_scale)
+        # Keras' guide: set before the dtype policy changes, so that its setter does not quantize again.
+        self._is_quantized = True
+
+    def project(self, x, name, bias, dense):
+        """x @ kernel `name` + bias: `dense(x, kernel, bias)` in float, the int8 matmul once quantized."""
+        if self.quantization_mode == "int8":
+            return int8_dense(x, getattr(self, name), getattr(self, f"{name}_scale"), bias, self.compute_dtype)
+        return dense(x, getattr(self, name), bias)
+
+    def build_quantized(self):
+        """At the end of `build`: a layer made with an int8 dtype policy (as Keras' loading makes one) holds
+        int8 kernels from the start."""
+        mode = self.quantization_mode
+        if mode is None:
+            return
+        if mode != "int8":
+            raise NotImplementedError(
+                f"Layer {type(self).__name__} ({self.name!r}) quantizes its kernels to int8 only. Received: "
+                f"dtype policy {self.dtype_policy.name!r}"
+            )
+        self.quantize_kernels()
+
+    def _int8_call(self, *args, **kwargs):
+        # Keras calls this for a layer quantized to int8; `call` takes the int8 path through `project`.
+        return self.call(*args, **kwargs)

@@ -1,0 +1,268 @@
+"""`ViTSpec`: everything a `keras_vit.ViT` is, in one frozen, validated value.
+
+A spec holds the architecture (the transformer's sizes, the patches, the image size, the head, the options of
+the layers), how raw images become the model's input (the pixel statistics its `rescaling` layer applies and,
+for evaluation and serving, the resize and crop of a `Preprocessing`) and the names of its classes.  The model
+is built from it and saves it as its config, so a `.keras` file restores all of it.
+
+>>> spec = ViTSpec.from_variant("Ti/16", image_size=32, num_classes=10)
+>>> spec.hidden_dim, spec.patch_size, spec.image_size
+(192, (16, 16), (32, 32))
+>>> ViTSpec.from_config(spec.to_config()) == spec
+True
+"""
+
+import dataclasses
+
+import keras
+import numpy as np
+
+from keras_vit.layers.common import check_positive_int, check_rate
+from keras_vit.layers.core import gelu_activation
+from keras_vit.layers.embedding import PatchEncoder
+from keras_vit.preprocessing import Preprocessing
+from keras_vit.resnet import ResNetStem
+from keras_vit.variants import OVERRIDABLE, ViTConfig, parse_variant, to_pair
+
+CLASSIFIERS = ("token", "gap", "map")
+POSITION_EMBEDDINGS = PatchEncoder.POSITION_EMBEDDINGS
+PATCH_PROJECTIONS = ("conv", "matmul")
+
+
+def _optional_positive(name, value):
+    """None for None or 0 (no such layer), else a positive int."""
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return None
+    return check_positive_int(name, value, optional=True)
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+
+
+def pixel_statistics(pixel_mean, pixel_std, num_channels):
+    """The per-channel (mean, std) the rescaling applies: 0.5 and 0.5 (the [-1, 1] of the original weights)
+    when both are None; a ValueError for one without the other, a non-finite mean or a std that is not
+    positive."""
+    if pixel_mean is None and pixel_std is None:
+        return np.full(num_channels, 0.5), np.full(num_channels, 0.5)
+    if pixel_mean is None or pixel_std is None:
+        raise ValueError(
+            f"`pixel_mean` and `pixel_std` go together. Received: pixel_mean={pixel_mean!r}, pixel_std={pixel_std!r}"
+        )
+    try:
+        mean, std = (np.broadcast_to(np.asarray(v, np.float64), (num_channels,)) for v in (pixel_mean, pixel_std))
+    except (TypeError, ValueError):
+        mean = std = np.full(num_channels, np.nan)
+    if not (np.all(np.isfinite(mean)) and np.all(std > 0) and np.all(np.isfinite(std))):
+        raise ValueError(
+            "`pixel_mean` must be finite and `pixel_std` positive, one value or one per channel. Received: "
+            f"pixel_mean={pixel_mean!r}, pixel_std={pixel_std!r}"
+        )
+    return mean, std
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTSpec:
+    """A Vision Transformer: its architecture, how it takes images, and its classes.
+
+    Architecture (the arguments of `build_vit`; see there for each):
+        hidden_dim, num_layers, num_heads, mlp_dim, patch_size,
+        resnet_layers: the transformer and, for a hybrid, the ResNet stem's
+            stage sizes (`keras_vit.ViTConfig`'s fields).
+        image_size: (height, width) the weights are made for.
+        dynamic_image_size: the model takes any size divisible by the patch.
+        num_channels, num_classes (None: a backbone), classifier,
+        representation_size, dropout_rate, attention_dropout_rate,
+        stochastic_depth_rate, include_rescaling, head_kernel_initializer,
+        patch_projection, gelu, position_embedding, pre_norm, pooled_norm,
+        layer_norm_epsilon.
+
+    Input:
+        pixel_mean, pixel_std: per-channel statistics of pixels in [0, 1]
+            that the model's `rescaling` layer normalises with (None: 0.5
+            and 0.5, pixels to [-1, 1]).
+        preprocessing: a `keras_vit.Preprocessing`, how a photo of any size
+            is resized and cropped for evaluation and serving (None: the
+            shorter side resized to the model's and the center cropped); its
+            crop is `image_size` and its mean and std are the model's.
+
+    Classes:
+        class_names: a name for each of the `num_classes` classes, or None.
+    """
+
+    hidden_dim: int
+    num_layers: int
+    num_heads: int
+    mlp_dim: int
+    patch_size: tuple
+    resnet_layers: tuple = None
+    image_size: tuple = (224, 224)
+    dynamic_image_size: bool = False
+    num_channels: int = 3
+    num_classes: int = 1000
+    classifier: str = "token"
+    representation_size: int = None
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    stochastic_depth_rate: float = 0.0
+    include_rescaling: bool = True
+    pixel_mean: tuple = None
+    pixel_std: tuple = None
+    head_kernel_initializer: object = "zeros"
+    patch_projection: str = "conv"
+    gelu: str = "exact"
+    position_embedding: str = "learned"
+    pre_norm: bool = False
+    pooled_norm: bool = False
+    layer_norm_epsilon: float = 1e-6
+    preprocessing: Preprocessing = None
+    class_names: tuple = None
+
+    def __post_init__(self):
+        def store(name, value):
+            object.__setattr__(self, name, value)
+
+        # The transformer's sizes: ViTConfig's checks.
+        config = ViTConfig(self.hidden_dim, self.num_layers, self.num_heads, self.mlp_dim, self.patch_size,
+                           None if self.resnet_layers is None else tuple(self.resnet_layers))  # fmt: skip
+        store("patch_size", config.patch_size)
+        store("resnet_layers", config.resnet_layers)
+        received = self.image_size
+        store("image_size", to_pair(self.image_size, "image_size"))
+        stride = self.stride
+        height, width = self.image_size
+        if height % (stride * self.patch_size[0]) or width % (stride * self.patch_size[1]):
+            hybrid = f" times the ResNet stride {stride}" if self.resnet_layers is not None else ""
+            raise ValueError(
+                f"`image_size` must be divisible by the patch size{hybrid}. Received: image_size="
+                f"{received!r}, patch_size={self.patch_size}"
+            )
+        for name in ("dynamic_image_size", "include_rescaling", "pre_norm", "pooled_norm"):
+            _check_bool(name, getattr(self, name))
+        check_positive_int("num_channels", self.num_channels)
+        store("num_classes", _optional_positive("num_classes", self.num_classes))
+        store("representation_size", _optional_positive("representation_size", self.representation_size))
+        if self.classifier not in CLASSIFIERS:
+            raise ValueError(f"`classifier` must be one of {CLASSIFIERS}. Received: classifier={self.classifier!r}")
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"`position_embedding` must be one of {POSITION_EMBEDDINGS}. Received: "
+                f"position_embedding={self.position_embedding!r}"
+            )
+        if self.patch_projection not in PATCH_PROJECTIONS:
+            raise ValueError(
+                f"`patch_projection` must be one of {PATCH_PROJECTIONS}. Received: "
+                f"patch_projection={self.patch_projection!r}"
+            )
+        gelu_activation(self.gelu)
+        epsilon = self.layer_norm_epsilon
+        if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not 0 < epsilon < 1:
+            raise ValueError(
+                f"`layer_norm_epsilon` must be a number in (0, 1). Received: layer_norm_epsilon={epsilon!r}"
+            )
+        store("layer_norm_epsilon", float(epsilon))
+        for name in ("dropout_rate", "attention_dropout_rate", "stochastic_depth_rate"):
+            store(name, check_rate(name, getattr(self, name)))
+        self._check_input()
+        self._check_classes()
+
+    def _check_input(self):
+        if not self.include_rescaling and (self.pixel_mean is not None or self.pixel_std is not None):
+            raise ValueError(
+                "`pixel_mean` and `pixel_std` need include_rescaling=True. Received: include_rescaling=False"
+            )
+        mean, std = pixel_statistics(self.pixel_mean, self.pixel_std, self.num_channels)
+        if self.pixel_mean is not None:
+            object.__setattr__(self, "pixel_mean", tuple(float(v) for v in mean))
+            object.__setattr__(self, "pixel_std", tuple(float(v) for v in std))
+        preprocessing = self.preprocessing
+        if preprocessing is None:
+            return
+        if not isinstance(preprocessing, Preprocessing):
+            raise ValueError(
+                f"`preprocessing` must be a keras_vit.Preprocessing or None. Received: {type(preprocessing).__name__}"
+            )
+        if preprocessing.image_size != self.image_size:
+            raise ValueError(
+                f"The preprocessing crops {preprocessing.image_size}, the model's image_size is {self.image_size}."
+            )
+        if self.include_rescaling:
+            for name, model_value, value in (("mean", mean, preprocessing.mean), ("std", std, preprocessing.std)):
+                try:
+                    agree = np.allclose(np.asarray(value, np.float64), model_value)
+                except ValueError:  # Shapes that do not broadcast.
+                    agree = False
+                if not agree:
+                    raise ValueError(
+                        f"The preprocessing's {name} {value} is not the model's pixel_{name} "
+                        f"{tuple(float(v) for v in model_value)}."
+                    )
+
+    def _check_classes(self):
+        if self.class_names is None:
+            return
+        if isinstance(self.class_names, str):
+            raise ValueError(f"`class_names` must be a sequence of names. Received: {self.class_names!r}")
+        names = tuple(str(name) for name in self.class_names)
+        if len(names) != (self.num_classes or 0):
+            raise ValueError(f"{len(names)} class names for a model with num_classes={self.num_classes}.")
+        object.__setattr__(self, "class_names", names)
+
+    # === Built from, read as ===
+
+    @classmethod
+    def from_variant(cls, variant, **fields):
+        """The spec of `variant` ("B/16", "R50+B/16", "testing", ...) with `fields` set; `hidden_dim`,
+        `num_layers`, `num_heads`, `mlp_dim` and `patch_size` win over the variant's table entry."""
+        known = {field.name for field in dataclasses.fields(cls)} - set(OVERRIDABLE)
+        overrides = {name: fields.pop(name) for name in list(fields) if name not in known}  # parse_variant's
+        config = parse_variant(variant, **overrides)
+        return cls(**dataclasses.asdict(config), **fields)
+
+    @property
+    def config(self):
+        """The transformer's sizes, as a `keras_vit.ViTConfig`."""
+        return ViTConfig(self.hidden_dim, self.num_layers, self.num_heads, self.mlp_dim, self.patch_size,
+                         self.resnet_layers)  # fmt: skip
+
+    @property
+    def stride(self):
+        """How many pixels one step of the patch grid's input is: the ResNet stem's stride (1 without one)."""
+        return 1 if self.resnet_layers is None else ResNetStem.stride(self.resnet_layers)
+
+    def replace(self, **changes):
+        """A copy with `changes` (checked as a new spec is)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_config(self):
+        """The spec as JSON-compatible values (what `keras_vit.ViT.get_config` saves)."""
+        config = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, tuple):
+                value = list(value)
+            config[field.name] = value
+        if self.preprocessing is not None:
+            config["preprocessing"] = {k: list(v) if isinstance(v, tuple) else v
+                                       for k, v in dataclasses.asdict(self.preprocessing).items()}  # fmt: skip
+        if not isinstance(self.head_kernel_initializer, str):
+            config["head_kernel_initializer"] = keras.initializers.serialize(
+                keras.initializers.get(self.head_kernel_initializer)
+            )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        """The spec that `to_config` wrote; unknown fields are refused by name."""
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"Unknown ViTSpec field(s) {unknown}. Expected a subset of {sorted(known)}.")
+        config = dict(config)
+        if config.get("preprocessing") is not None:
+            config["preprocessing"] = Preprocessing(**config["preprocessing"])
+        if isinstance(config.get("head_kernel_initializer"), dict):
+            config["head_kernel_initializer"] = keras.initializers.deserialize(config["head_kernel_initializer"])
+        return cls(**config)
