@@ -185,8 +185,9 @@ class ViT(keras.Model):
     Args:
         spec: a `ViTSpec` (or its `to_config()` dict).
         frozen_layers: names of layers to build with `trainable=False`.
-        quantized: {layer path: quantized dtype policy name} of the layers to
-            quantize once built (what `get_config` records after `quantize`).
+        quantized: {layer path: {"policy": its quantized dtype policy name,
+            "config": its serialized QuantizationConfig or None}} of the layers
+            to quantize once built (what `get_config` records after `quantize`).
         dtype: the dtype policy of every layer but the float32 head (default:
             Keras' global policy).
         shared_layers: layers of another model to use, by name, instead of
@@ -211,11 +212,15 @@ class ViT(keras.Model):
             self.get_layer(layer_name).trainable = False
         if quantized:
             layers = {layer.path: layer for layer in _all_layers(self)}
-            for path, policy in quantized.items():
+            for path, saved in quantized.items():
                 if path not in layers:
                     known = sorted(filter(None, layers))
                     raise ValueError(f"No layer {path!r} to quantize in {self.name!r}. Layers: {known}")
-                layers[path].dtype_policy = policy  # Keras quantizes a built layer given a quantized policy.
+                # As the layer was quantized: its mode and its QuantizationConfig (weight-only, int4 blocks).
+                config = keras.saving.deserialize_keras_object(saved["config"]) if saved.get("config") else None
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=_NUMPY_COPY_WARNING)
+                    layers[path].quantize(keras.dtype_policies.get(saved["policy"]).quantization_mode, config=config)
 
     @property
     def spec(self):
@@ -244,8 +249,7 @@ class ViT(keras.Model):
         own = [layer for layer in _all_layers(self) if isinstance(layer, Int8Kernels) and _selected(layer, filters)]
         refused = []
         with warnings.catch_warnings():
-            # NumPy 2 about TensorFlow variables, as a kernel is read to quantize it: nothing a user can act on.
-            warnings.filterwarnings("ignore", message="__array__ implementation doesn't accept a copy keyword")
+            warnings.filterwarnings("ignore", message=_NUMPY_COPY_WARNING)
             super().quantize(mode, config=config, filters=matmul, **kwargs)
             for layer in own:
                 if layer.quantization_mode is None:
@@ -259,7 +263,7 @@ class ViT(keras.Model):
         self.train_function = self.test_function = self.predict_function = None
 
     def get_config(self):
-        frozen = [layer.name for layer in self.layers if not layer.trainable and layer.weights]
+        frozen = [layer.name for layer in self.layers if not layer.trainable]  # A frozen Dropout drops nothing.
         config = {
             "name": self.name,
             "trainable": self.trainable,
@@ -267,7 +271,13 @@ class ViT(keras.Model):
             "frozen_layers": frozen,
             "dtype": self.get_layer("patch_encoder").dtype_policy.name,
         }
-        quantized = {layer.path: layer.dtype_policy.name for layer in _all_layers(self) if layer.quantization_mode}
+        quantized = {
+            layer.path: {
+                "policy": layer.dtype_policy.name,
+                "config": keras.saving.serialize_keras_object(getattr(layer, "quantization_config", None)),
+            }
+            for layer in _all_layers(self) if layer.quantization_mode
+        }  # fmt: skip
         if quantized:
             config["quantized"] = quantized
         return config
@@ -275,6 +285,10 @@ class ViT(keras.Model):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         return cls(**config)
+
+
+# NumPy 2 about TensorFlow variables, as a kernel is read to quantize it: nothing a user can act on.
+_NUMPY_COPY_WARNING = "__array__ implementation doesn't accept a copy keyword"
 
 
 def _all_layers(model):
@@ -364,8 +378,8 @@ def _graph(spec, dtype=None, shared=None):
         x = layer("pre_logits", keras.layers.Dense, spec.representation_size, activation="tanh", **policy)(x)
     if spec.num_classes:
         # float32 logits under any policy: softmax and the loss need the range.
-        x = layer("head", keras.layers.Dense, spec.num_classes, kernel_initializer=spec.head_kernel_initializer,
-                  dtype="float32")(x)  # fmt: skip
+        initializer = keras.initializers.get(spec.head_kernel_initializer)  # A name or a config.
+        x = layer("head", keras.layers.Dense, spec.num_classes, kernel_initializer=initializer, dtype="float32")(x)
     return images, x
 
 

@@ -22,7 +22,7 @@ from keras_vit.layers.core import gelu_activation
 from keras_vit.layers.embedding import PatchEncoder
 from keras_vit.preprocessing import Preprocessing
 from keras_vit.resnet import ResNetStem
-from keras_vit.variants import OVERRIDABLE, ViTConfig, parse_variant, to_pair
+from keras_vit.variants import ViTConfig, parse_variant, to_pair
 
 CLASSIFIERS = ("token", "gap", "map")
 POSITION_EMBEDDINGS = PatchEncoder.POSITION_EMBEDDINGS
@@ -31,7 +31,7 @@ PATCH_PROJECTIONS = ("conv", "matmul")
 
 def _optional_positive(name, value):
     """None for None or 0 (no such layer), else a positive int."""
-    if value is None or (value == 0 and not isinstance(value, bool)):
+    if value is None or value == 0:  # 0 and False: no such layer, as build_vit always took them.
         return None
     return check_positive_int(name, value, optional=True)
 
@@ -110,7 +110,7 @@ class ViTSpec:
     include_rescaling: bool = True
     pixel_mean: tuple = None
     pixel_std: tuple = None
-    head_kernel_initializer: object = "zeros"
+    head_kernel_initializer: object = "zeros"  # A name, or an initializer's config (keras.initializers.serialize).
     patch_projection: str = "conv"
     gelu: str = "exact"
     position_embedding: str = "learned"
@@ -139,8 +139,14 @@ class ViTSpec:
                 f"`image_size` must be divisible by the patch size{hybrid}. Received: image_size="
                 f"{received!r}, patch_size={self.patch_size}"
             )
+        if isinstance(self.include_rescaling, (int, np.integer, np.bool_)) and self.include_rescaling in (0, 1):
+            store("include_rescaling", bool(self.include_rescaling))  # As build_vit took it: 1, np.True_.
         for name in ("dynamic_image_size", "include_rescaling", "pre_norm", "pooled_norm"):
             _check_bool(name, getattr(self, name))
+        if not isinstance(self.head_kernel_initializer, (str, dict)):
+            # Kept as its config, so that specs compare and save by value.
+            initializer = keras.initializers.get(self.head_kernel_initializer)
+            store("head_kernel_initializer", keras.initializers.serialize(initializer))
         check_positive_int("num_channels", self.num_channels)
         store("num_classes", _optional_positive("num_classes", self.num_classes))
         store("representation_size", _optional_positive("representation_size", self.representation_size))
@@ -216,10 +222,15 @@ class ViTSpec:
     def from_variant(cls, variant, **fields):
         """The spec of `variant` ("B/16", "R50+B/16", "testing", ...) with `fields` set; `hidden_dim`,
         `num_layers`, `num_heads`, `mlp_dim` and `patch_size` win over the variant's table entry."""
-        known = {field.name for field in dataclasses.fields(cls)} - set(OVERRIDABLE)
-        overrides = {name: fields.pop(name) for name in list(fields) if name not in known}  # parse_variant's
+        architecture = {field.name for field in dataclasses.fields(ViTConfig)}
+        own = {field.name for field in dataclasses.fields(cls)} - architecture
+        # The sizes, and anything that is no field, to parse_variant: it takes OVERRIDABLE and names the rest.
+        overrides = {name: fields.pop(name) for name in list(fields) if name not in own}
         config = parse_variant(variant, **overrides)
-        return cls(**dataclasses.asdict(config), **fields)
+        try:
+            return cls(**dataclasses.asdict(config), **fields)
+        except ValueError as error:
+            raise ValueError(f"{error} (variant {variant!r})") from None
 
     @property
     def config(self):
@@ -247,10 +258,6 @@ class ViTSpec:
         if self.preprocessing is not None:
             config["preprocessing"] = {k: list(v) if isinstance(v, tuple) else v
                                        for k, v in dataclasses.asdict(self.preprocessing).items()}  # fmt: skip
-        if not isinstance(self.head_kernel_initializer, str):
-            config["head_kernel_initializer"] = keras.initializers.serialize(
-                keras.initializers.get(self.head_kernel_initializer)
-            )
         return config
 
     @classmethod
@@ -263,6 +270,4 @@ class ViTSpec:
         config = dict(config)
         if config.get("preprocessing") is not None:
             config["preprocessing"] = Preprocessing(**config["preprocessing"])
-        if isinstance(config.get("head_kernel_initializer"), dict):
-            config["head_kernel_initializer"] = keras.initializers.deserialize(config["head_kernel_initializer"])
         return cls(**config)

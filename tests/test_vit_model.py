@@ -89,8 +89,8 @@ def test_a_pretrained_model_saved_and_loaded_in_a_fresh_process_keeps_what_it_is
 
 
 def small_vit(**options):
-    options = dict(image_size=16, patch_size=4, num_classes=3, num_layers=2, hidden_dim=16, num_heads=2,
-                   mlp_dim=32, **options)  # fmt: skip
+    options = {**dict(image_size=16, patch_size=4, num_classes=3, num_layers=2, hidden_dim=16, num_heads=2,
+                      mlp_dim=32), **options}  # fmt: skip
     return randomize_weights(keras_vit.build_vit("testing", **options), seed=1, scale=0.2)
 
 
@@ -120,6 +120,20 @@ def test_the_spec_is_the_models_config_and_round_trips(tmp_path):
         "images", "rescaling", "patch_encoder", "embedding_dropout", "encoderblock_0", "encoderblock_1", "pooling",
         "pooled_norm", "head",
     ]
+
+
+def test_what_build_vit_took_before_it_still_takes_and_custom_initializers_compare_by_value(tmp_path):
+    assert small_vit(include_rescaling=1).spec.include_rescaling is True
+    assert small_vit(include_rescaling=np.True_).spec.include_rescaling is True
+    assert small_vit(num_classes=False).output_shape == (None, 16)  # A backbone, as with None or 0.
+    with pytest.raises(ValueError, match=r"Unknown architecture override\(s\) \['resnet_layers'\]"):
+        keras_vit.build_vit("testing", resnet_layers=(1,))
+    with pytest.raises(ValueError, match=r"image_size=30, patch_size=\(16, 16\) \(variant 'testing'\)"):
+        keras_vit.build_vit("testing", image_size=30)
+    model = small_vit(head_kernel_initializer=keras.initializers.RandomNormal(stddev=0.5, seed=3))
+    assert ViTSpec.from_config(model.spec.to_config()) == model.spec
+    model.save(tmp_path / "initializer.keras")
+    assert keras.models.load_model(tmp_path / "initializer.keras").spec == model.spec
 
 
 def test_a_spec_refuses_what_contradicts_it():
@@ -163,6 +177,15 @@ def test_surgery_keeps_the_spec_and_saving_keeps_frozen_layers_and_the_dtype_pol
     five.save(tmp_path / "frozen.keras")
     loaded = keras.models.load_model(tmp_path / "frozen.keras")
     assert [w.path for w in loaded.trainable_weights] == ["head/kernel", "head/bias"]
+    # Every frozen layer stays frozen, also those without weights: a frozen Dropout drops nothing in training.
+    assert [layer.name for layer in loaded.layers if not layer.trainable] == [
+        layer.name for layer in five.layers if not layer.trainable
+    ]
+    dropping = keras_vit.freeze_backbone(small_vit(dropout_rate=0.5))
+    dropping.save(tmp_path / "dropping.keras")
+    reloaded = keras.models.load_model(tmp_path / "dropping.keras")
+    images = random_images((2, 16, 16, 3), seed=8)
+    np.testing.assert_allclose(reloaded(images, training=True), dropping(images, training=False), atol=1e-6)
 
     # Built under mixed_bfloat16, loaded under float32: bfloat16 computation as saved, the head float32.
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
@@ -230,6 +253,9 @@ def test_int8_quantizes_every_matmul_but_the_patch_embedding_and_saves_reloads_a
         assert matmul_kernels(loaded[classifier]) == matmul_kernels(model)
         np.testing.assert_array_equal(loaded[classifier].predict(images, verbose=0), logits)
         export_saved_model(loaded[classifier], tmp_path / f"{classifier}_saved_model")
+        # Another size keeps the quantized layers (the learned position embeddings resampled, as in float).
+        bigger = keras_vit.set_image_size(loaded[classifier], 32)
+        assert matmul_kernels(bigger) == matmul_kernels(model) and bigger.output_shape == (None, 3)
         jobs[classifier] = ("saved_model", tmp_path / f"{classifier}_saved_model", {"images": images})
     for classifier, served in serve_all(jobs, tmp_path / "serving").items():
         expected = loaded[classifier].predict(images, verbose=0)
@@ -248,6 +274,22 @@ def test_int4_quantizes_the_dense_layers_and_the_attention_says_it_takes_int8_on
     assert kernels["encoderblock_0/attention/qkv_kernel"] == "float32"
     assert model.get_layer("encoderblock_0").mlp_dense_1.quantization_mode == "int4"
     assert np.isfinite(model.predict(random_images((2, 16, 16, 3), seed=7), verbose=0)).all()
+
+
+def test_a_quantized_models_file_keeps_each_layers_quantization_config(tmp_path):
+    """int4 in blocks along the inputs and int8 of the weights alone (activations in float): reloaded as made."""
+    images = random_images((2, 16, 16, 3), seed=9)
+    for name, config in (
+        ("int4_blocks", keras.quantizers.Int4QuantizationConfig(block_size=8)),
+        ("int8_weights", keras.quantizers.Int8QuantizationConfig(activation_quantizer=None)),
+    ):
+        model = small_vit()
+        model.quantize(config=config)
+        model.save(tmp_path / f"{name}.keras")
+        loaded = keras.models.load_model(tmp_path / f"{name}.keras")
+        np.testing.assert_array_equal(loaded.predict(images, verbose=0), model.predict(images, verbose=0))
+    # Weight-only: the attention's inputs are not quantized either.
+    assert model.get_layer("encoderblock_0").attention.inputs_quantizer is None
 
 
 @pytest.mark.slow

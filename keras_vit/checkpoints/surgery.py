@@ -94,7 +94,8 @@ def set_image_size(model, image_size, interpolation="bicubic"):
         spec = model.spec.replace(
             image_size=size, preprocessing=None if preprocessing is None else preprocessing.at_size(size)
         )
-        new_model = ViT(spec, name=model.name, frozen_layers=_frozen(model), dtype=_policy(model))
+        quantized = model.get_config().get("quantized")  # A quantized model's layers stay quantized.
+        new_model = ViT(spec, name=model.name, frozen_layers=_frozen(model), dtype=_policy(model), quantized=quantized)
         pairs = [(layer, new_model.get_layer(layer.name)) for layer in model.layers[1:]]
     else:
         new_model, pairs = _rebuild(model, image_size)

@@ -16,14 +16,17 @@ import numpy as np
 from keras import ops
 
 
-def int8_dense(x, kernel, kernel_scale, bias, dtype):
+def int8_dense(x, kernel, kernel_scale, bias, dtype, inputs_quantizer):
     """x @ kernel + bias with an int8 `kernel` (its first axis contracted with x's last, its other axes those of
-    the result) and its per-column `kernel_scale` (the kernel's other axes): x quantized per row, an int8
-    matmul, then de-scaled to `dtype`."""
+    the result) and its per-column `kernel_scale` (the kernel's other axes), in `dtype`: x quantized per row
+    by `inputs_quantizer` and an int8 matmul, or (None: weight-only) x times the int8 values; then de-scaled."""
     shape = tuple(kernel.shape)
-    inputs, inputs_scale = keras.quantizers.abs_max_quantize(x, axis=-1)
-    y = ops.matmul(inputs, ops.reshape(kernel, (shape[0], -1)))
-    y = ops.divide(ops.cast(y, dtype), ops.multiply(ops.cast(inputs_scale, dtype), ops.reshape(kernel_scale, (-1,))))
+    matrix, scale = ops.reshape(kernel, (shape[0], -1)), ops.reshape(kernel_scale, (-1,))
+    if inputs_quantizer is None:
+        y = ops.divide(ops.matmul(x, ops.cast(matrix, dtype)), scale)
+    else:
+        inputs, inputs_scale = inputs_quantizer(x, axis=-1)
+        y = ops.divide(ops.cast(ops.matmul(inputs, matrix), dtype), ops.multiply(ops.cast(inputs_scale, dtype), scale))
     if len(shape) > 2:  # (..., n * hidden) -> (..., n, hidden), as the float kernel's result.
         y = ops.reshape(y, (*ops.shape(y)[:-1], *shape[1:]))
     return y if bias is None else ops.add(y, ops.cast(bias, dtype))
@@ -45,18 +48,22 @@ class Int8Kernels:
                 f"Layer {type(self).__name__} ({self.name!r}) quantizes its kernels to int8 only. "
                 f"Received: mode={mode!r}"
             )
-        self.quantize_kernels()
+        self.quantize_kernels(config)
         if self.dtype_policy.quantization_mode is None:
             self.dtype_policy = keras.dtype_policies.get(f"int8_from_{self.dtype_policy.name}")
 
-    def quantize_kernels(self):
-        """Replaces each float kernel by int8 values and a float scale per output column (`NAME_scale`)."""
+    def quantize_kernels(self, config=None):
+        """Replaces each float kernel by int8 values and a float scale per output column (`NAME_scale`), with the
+        weight quantizer of `config` (a `keras.quantizers.QuantizationConfig`; default abs-max per column); its
+        activation quantizer (default abs-max per token; None: weight-only) quantizes the inputs when called."""
+        defaults = keras.quantizers.QuantizationConfig
+        self.quantization_config = config
+        self.inputs_quantizer = defaults.activation_quantizer_or_default(config, keras.quantizers.AbsMaxQuantizer())
+        weight_quantizer = defaults.weight_quantizer_or_default(config, keras.quantizers.AbsMaxQuantizer(axis=0))
         for name in self.QUANTIZED_KERNELS:
             variable = getattr(self, name)
             shape = tuple(variable.shape)
-            values, scale = keras.quantizers.abs_max_quantize(
-                np.reshape(ops.convert_to_numpy(variable), (shape[0], -1)), axis=0, to_numpy=True
-            )
+            values, scale = weight_quantizer(np.reshape(ops.convert_to_numpy(variable), (shape[0], -1)), to_numpy=True)
             delattr(self, name)
             kernel = self.add_weight(name=name, shape=shape, initializer="zeros", dtype="int8", trainable=False)
             kernel.assign(np.reshape(values, shape))
@@ -70,7 +77,8 @@ class Int8Kernels:
     def project(self, x, name, bias, dense):
         """x @ kernel `name` + bias: `dense(x, kernel, bias)` in float, the int8 matmul once quantized."""
         if self.quantization_mode == "int8":
-            return int8_dense(x, getattr(self, name), getattr(self, f"{name}_scale"), bias, self.compute_dtype)
+            return int8_dense(x, getattr(self, name), getattr(self, f"{name}_scale"), bias, self.compute_dtype,
+                              self.inputs_quantizer)  # fmt: skip
         return dense(x, getattr(self, name), bias)
 
     def build_quantized(self):
