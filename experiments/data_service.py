@@ -16,12 +16,12 @@ import time
 
 from absl import flags, logging
 
-from experiments import common
+from experiments import jobs
 from keras_vit.data import service
 
 
 def define_flags():
-    """The job's flags, defined when it runs as a program (`common.run_job`), not on import."""
+    """The job's flags, defined when it runs as a program (`jobs.run_job`), not on import."""
     return {
         "role": flags.DEFINE_enum("role", None, ["dispatcher", "worker"], "What this process serves.", required=True),
         "port": flags.DEFINE_integer("port", 0, "Port to serve on (0: any free port)."),
@@ -73,4 +73,4 @@ def main(cli):
 
 
 if __name__ == "__main__":
-    common.run_job(main, define_flags)
+    jobs.run_job(main, define_flags)

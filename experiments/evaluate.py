@@ -25,13 +25,13 @@ import keras
 import tensorflow as tf
 from absl import flags
 
-from experiments import common
+from experiments import jobs
 from keras_vit import data as vit_data
 from keras_vit import evaluation
 
 
 def define_flags():
-    """The job's flags, defined when it runs as a program (`common.run_job`), not on import."""
+    """The job's flags, defined when it runs as a program (`jobs.run_job`), not on import."""
     return {
         "model": flags.DEFINE_string("model", None, "A .keras file, a SavedModel, or a from_pretrained name.",
                                      required=True),
@@ -124,4 +124,4 @@ def main(cli):
 
 
 if __name__ == "__main__":
-    common.run_job(main, define_flags)
+    jobs.run_job(main, define_flags)

@@ -5,9 +5,9 @@ r"""Exports a trained model, or pretrained weights, for serving and checks it ag
     python -m experiments.export --pretrained=timm/vit_base_patch16_224.augreg2_in21k_ft_in1k \
         --out=vit_b16_saved_model
 
---model: a .keras file; or --pretrained: what `keras_vit.from_pretrained` opens
-(a hub id, a folder, an .npz), exported with the weights' own resize, crop and
-label names.
+--model: a .keras file (a keras_vit.ViT brings its own preprocessing and class
+names); or --pretrained: what `keras_vit.from_pretrained` opens (a hub id, a
+folder, an .npz), exported with the weights' own resize, crop and label names.
 
 --format: saved_model (with the `serving_default` and `serving_bytes`
 signatures), tflite (--quantize: none, float16, dynamic, int8) or onnx.  int8
@@ -26,13 +26,13 @@ import numpy as np
 import tensorflow as tf
 from absl import flags
 
-from experiments import common
+from experiments import jobs
 from keras_vit import export
 from keras_vit.data.header import ImageLimits
 
 
 def define_flags():
-    """The job's flags, defined when it runs as a program (`common.run_job`), not on import."""
+    """The job's flags, defined when it runs as a program (`jobs.run_job`), not on import."""
     return {
         "model": flags.DEFINE_string("model", None, "A .keras model (or --pretrained)."),
         "pretrained": flags.DEFINE_string(
@@ -159,4 +159,4 @@ def main(cli):
 
 
 if __name__ == "__main__":
-    common.run_job(main, define_flags)
+    jobs.run_job(main, define_flags)

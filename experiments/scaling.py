@@ -23,9 +23,9 @@ against training-set size, log x, one standard deviation as error bars);
 prints the table and where the mean curves cross, or that they do not within
 the range.
 
-The data in memory, the stratified subsets and the outputs are
-`experiments.common`'s, the runs `experiments.short_runs`', shared with
-`experiments.transfer`.
+The data in memory and the stratified subsets are `experiments.datasets`',
+the outputs `experiments.outputs`', the runs `experiments.short_runs`',
+shared with `experiments.transfer`.
 """
 
 import math
@@ -33,7 +33,7 @@ import math
 import keras
 import numpy as np
 
-from experiments import baselines, common, short_runs
+from experiments import baselines, datasets, jobs, models, outputs, short_runs
 
 # === Where the curves cross ===
 
@@ -104,16 +104,17 @@ def run(config, workdir):
     seeds = [int(s) for s in config.seeds]
     if not fractions or not seeds:
         raise ValueError(f"Expected fractions and seeds. Received: fractions={fractions}, seeds={seeds}")
-    dataset = common.load_in_memory(config)
+    dataset = datasets.load_in_memory(config)
     num_classes = dataset.num_classes
     # The same subsets for both models: seed -> fraction -> indices.
     subsets = {
-        seed: {f: common.stratified_subset(dataset.train.labels, seed, fraction=f) for f in fractions} for seed in seeds
+        seed: {f: datasets.stratified_subset(dataset.train.labels, seed, fraction=f) for f in fractions}
+        for seed in seeds
     }
     sizes = [len(subsets[seeds[0]][f]) for f in fractions]
     keras.mixed_precision.set_global_policy(config.precision)
-    models = {
-        "ViT": lambda: common.build_model(config, num_classes),
+    builders = {
+        "ViT": lambda: models.build_model(config, num_classes),
         "ResNet": lambda: baselines.build_resnet(
             config.image_size, num_classes,
             widths=tuple(config.cnn.widths), blocks_per_stage=config.cnn.blocks_per_stage,
@@ -137,8 +138,8 @@ def run(config, workdir):
         "seeds": seeds,
         "models": {},
     }
-    for name, make_model in models.items():
-        runs = [(seed, common.take(dataset.train, subsets[seed][f])) for f in fractions for seed in seeds]
+    for name, make_model in builders.items():
+        runs = [(seed, datasets.take(dataset.train, subsets[seed][f])) for f in fractions for seed in seeds]
         per_run = []
         for (seed, train), (trained, result) in zip(
             runs,
@@ -189,8 +190,8 @@ def report(results, workdir):
             steps = point.get("best_step", point["steps"])
             row += [f"{point['mean']:.3f} ± {point['std']:.3f}", f"{np.mean(steps):.0f}"]
         rows.append(row)
-    table = common.markdown_table(header, rows)
-    paths = common.write_outputs(workdir, "scaling", results, table, plot(results))
+    table = outputs.markdown_table(header, rows)
+    paths = outputs.write_outputs(workdir, "scaling", results, table, plot(results))
     print(table)
     print(results["summary"])
     print("Wrote " + ", ".join(paths))
@@ -200,7 +201,7 @@ def report(results, workdir):
 def plot(results):
     """Test accuracy against training-set size, one line per model, crossings dotted."""
     budget = results["budget"]
-    return common.plot_curves(
+    return outputs.plot_curves(
         results["sizes"],
         {f"{name} ({m['parameters']:,} params)": m["points"] for name, m in results["models"].items()},
         xlabel="training examples (log scale)",
@@ -214,8 +215,8 @@ def plot(results):
 
 
 def define_flags():
-    """The job's flags, defined when it runs as a program (`common.run_job`), not on import."""
-    config, workdir = common.define_config_and_workdir(
+    """The job's flags, defined when it runs as a program (`jobs.run_job`), not on import."""
+    config, workdir = jobs.define_config_and_workdir(
         "experiments/configs/scaling.py", "runs/scaling", "Where scaling.json, .md and .png go."
     )
     return {"config": config, "workdir": workdir}
@@ -226,4 +227,4 @@ def main(cli):
 
 
 if __name__ == "__main__":
-    common.run_job(main, define_flags)
+    jobs.run_job(main, define_flags)

@@ -10,7 +10,7 @@ import time
 import keras
 import numpy as np
 
-from experiments.common import compile_model, make_optimizer
+from experiments.models import compile_model, make_optimizer
 from keras_vit import compat
 from keras_vit import data as vit_data
 

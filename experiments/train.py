@@ -22,6 +22,7 @@ data behind each split under "splits".
 
 import contextlib
 import csv
+import dataclasses
 import json
 import os
 import time
@@ -31,15 +32,15 @@ import tensorflow as tf
 from absl import app, flags, logging
 
 import keras_vit
-from experiments import common, config_checks
+from experiments import config_checks, datasets, evaluations, jobs, models, outputs
 from keras_vit import backups, evaluation, export, parallel, training, visualize
 from keras_vit.distribute import STRATEGIES, get_strategy, is_chief
 from keras_vit.files import atomic_path
 
 
 def define_flags():
-    """The job's flags, defined when it runs as a program (`common.run_job`), not on import."""
-    config, workdir = common.define_config_and_workdir(
+    """The job's flags, defined when it runs as a program (`jobs.run_job`), not on import."""
+    config, workdir = jobs.define_config_and_workdir(
         "experiments/configs/digits.py", "runs/digits", "Where the model and metrics go."
     )
     return {
@@ -105,7 +106,7 @@ def export_model(model, kind, workdir, dataset, config):
     if kind == "saved_model":
         return export.export_saved_model(
             model, tf.io.gfile.join(out, "saved_model"), class_names=dataset.class_names,
-            crop_fraction=config.crop_fraction, image_limits=common.image_limits(config), overwrite=True,
+            crop_fraction=config.crop_fraction, image_limits=datasets.image_limits(config), overwrite=True,
         )
     if kind == "onnx":
         return export.export_onnx(model, tf.io.gfile.join(out, "model.onnx"), overwrite=True)
@@ -139,6 +140,33 @@ def best_logged(workdir, best_path):
     return max(values) if values else None
 
 
+@dataclasses.dataclass
+class Run:
+    """What the job's stages share: the config, where the run writes, where it runs, its data and schedule."""
+
+    config: object
+    workdir: str
+    strategy: object  # A tf.distribute.Strategy on TensorFlow; None on the other backends.
+    scope: object  # The strategy's scope (a no-op context on the other backends).
+    dataset: object  # datasets.Data
+    steps_per_epoch: int
+    steps_per_execution: int
+    exports: list
+
+    @property
+    def best_path(self):
+        return tf.io.gfile.join(self.workdir, "best.keras")
+
+
+@dataclasses.dataclass
+class Fitting:
+    """The `fit` callbacks of a run, and those whose results the report reads."""
+
+    callbacks: list
+    throughput: Throughput
+    selects: bool  # Whether best.keras is chosen on the validation split.
+
+
 def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
     """Runs the whole job; returns the metrics it writes to `workdir`.
 
@@ -146,8 +174,21 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
     one device.  Other backends: no strategy; on JAX the `keras.distribution`
     in force (`keras.distribution.set_distribution`) spreads the work.  The
     batch size in `config` is global.  `callbacks` are added to `fit`'s own.
+
+    The stages, each a function of its own: `prepare_run` (every check, the data; nothing written),
+    `build_model` (seeded, compiled, under the strategy's scope), `fit_callbacks`, `fit` (resumed from the
+    run's backup) and `report` (the test split, model.keras, metrics.json, figures, exports, best.keras).
     """
-    # Every field first: a bad value fails here, before a work directory is made or a file replaced.
+    run = prepare_run(config, workdir, strategy)
+    model = build_model(run)
+    fitting = fit_callbacks(run, model, callbacks)
+    history = fit(run, model, fitting)
+    return report(run, model, history, fitting)
+
+
+def prepare_run(config, workdir, strategy=None):
+    """Every check and the data, before anything is written: a bad value fails here, before a work directory is
+    made or a file replaced. A worker that is not the chief writes under workdir/workers/INDEX."""
     config_checks.check_config(config)
     if keras.backend.backend() == "tensorflow":
         strategy = strategy or get_strategy("one_device")
@@ -173,16 +214,14 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
             f"graphs); this is {keras.backend.backend()!r}. Export the saved model.keras from a "
             "TensorFlow process: python -m experiments.export."
         )
-
-    # === Data ===
-    dataset = common.load_data(config, strategy)
+    dataset = datasets.load_data(config, strategy)
     steps_per_epoch = dataset.num_train // config.batch_size
     if steps_per_epoch < 1:
         raise ValueError(
             f"The training split has {dataset.num_train} examples, fewer than one batch of "
             f"{config.batch_size}."
         )
-    steps_per_execution = common.whole_executions(config.steps_per_execution, steps_per_epoch)
+    steps_per_execution = models.whole_executions(config.steps_per_execution, steps_per_epoch)
     if steps_per_execution != config.steps_per_execution:
         logging.warning(
             "config.steps_per_execution=%d does not divide the %d steps of an epoch: %d steps per execution, "
@@ -200,28 +239,31 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
             "No validation split (config.validation_fraction=0 and no validation_split): no per-epoch "
             "validation and no best.keras."
         )
+    return Run(config, workdir, strategy, scope, dataset, steps_per_epoch, steps_per_execution, exports)
 
-    # Checks passed: from here on the run writes and trains.
-    tf.io.gfile.makedirs(workdir)
+
+def build_model(run):
+    """The run's model, compiled, under the strategy's scope: the work directory made, the seed and the dtype
+    policy set first; the pretrained weights, the frozen backbone, MixUp/CutMix and accumulation as asked."""
+    config, dataset = run.config, run.dataset
+    tf.io.gfile.makedirs(run.workdir)
     keras.utils.set_random_seed(config.seed)
     keras.mixed_precision.set_global_policy(config.precision)
-
-    # === Model, under the strategy's scope ===
-    with scope():
-        model = common.build_model(config, dataset.num_classes, dataset.class_names)
+    with run.scope():
+        model = models.build_model(config, dataset.num_classes, dataset.class_names)
         if config.pretrained:
             # An original .npz checkpoint; a head of another size stays zero for this task.
             keras_vit.load_pretrained(model, config.pretrained, interpolation=config.interpolation)
         if config.freeze_backbone:
             keras_vit.freeze_backbone(model)  # A linear probe: only the head trains.
-        total_steps = config.epochs * steps_per_epoch
-        warmup_steps = config.warmup_steps or config.warmup_epochs * steps_per_epoch
-        common.compile_model(
+        total_steps = config.epochs * run.steps_per_epoch
+        warmup_steps = config.warmup_steps or config.warmup_epochs * run.steps_per_epoch
+        models.compile_model(
             model,
             config,
-            common.make_optimizer(config, total_steps, warmup_steps, model=model),
+            models.make_optimizer(config, total_steps, warmup_steps, model=model),
             # Several steps per call: what keeps a TPU busy; whole executions per epoch.
-            steps_per_execution=steps_per_execution,
+            steps_per_execution=run.steps_per_execution,
         )
         # MixUp / CutMix inside the compiled step: uint8 batches cross to the device, mixed there.
         keras_vit.enable_batch_mixing(
@@ -233,20 +275,22 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
         )
         # Each batch as config.grad_accum_steps micro-batches, one update: the batch's (mixed whole, then split).
         keras_vit.enable_gradient_accumulation(model, config.grad_accum_steps)
+    return model
 
-    # === Train: validated on the validation split, never the test split ===
+
+def fit_callbacks(run, model, extra=()):
+    """`fit`'s callbacks: the backup, the NaN stop, model selection (best.keras, written whole or not at all),
+    the logs, the throughput, the epoch figures and, with config.ema_momentum, the moving average (validated,
+    checkpointed and shown in the figures: the callbacks between `ema` and `ema.restorer()`); `extra` last."""
+    config, dataset, workdir = run.config, run.dataset, run.workdir
     throughput = Throughput()
-    # With config.ema_momentum, the moving average is what is validated, checkpointed as best.keras and shown
-    # in the epoch's figures (the callbacks between `ema` and `ema.restorer()`); the backup keeps both.
     ema = training.EMAWeights() if config.ema_momentum else None
     averaged, restored = ([ema], [ema.restorer()]) if ema else ([], [])
-    best_path = tf.io.gfile.join(workdir, "best.keras")
     selection = []
     if dataset.validation is not None:
-        # Written whole or not at all: a failed save keeps the best model so far.
         selection = [training.AtomicModelCheckpoint(
-            best_path, monitor="val_accuracy", save_best_only=True,
-            initial_value_threshold=best_logged(workdir, best_path),
+            run.best_path, monitor="val_accuracy", save_best_only=True,
+            initial_value_threshold=best_logged(workdir, run.best_path),
         )]
     epoch_figures = []  # After Throughput: their time is not the training's.
     if dataset.validation is not None and config.tensorboard_figures:
@@ -254,54 +298,58 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
             tf.io.gfile.join(workdir, "tensorboard"), dataset.validation, num_images=config.tensorboard_figures,
             max_figures=config.tensorboard_figure_epochs or None,
         )]
-    # The state of an interrupted run: a killed run started again with the same command resumes from its
-    # newest usable backup (weights, optimizer and epoch together), losing at most `backup_every` steps.
-    backup_dir = tf.io.gfile.join(workdir, "backup")
-    with scope():  # The optimizer's variables are made (and loaded) where the strategy places them.
-        initial_epoch = backups.restore_backup(model, backup_dir)
-    history = model.fit(
-        dataset.train,
-        epochs=config.epochs,
+    callbacks = [
+        backups.Backup(tf.io.gfile.join(workdir, "backup"), save_freq=config.backup_every),
+        keras.callbacks.TerminateOnNaN(),
+        *averaged,
+        *selection,
+        training.CSVLog(tf.io.gfile.join(workdir, "log.csv")),
+        keras.callbacks.TensorBoard(tf.io.gfile.join(workdir, "tensorboard")),
+        throughput,
+        *epoch_figures,
+        *restored,
+        *extra,
+    ]
+    return Fitting(callbacks, throughput, bool(selection))
+
+
+def fit(run, model, fitting):
+    """`model.fit` on the training split, validated on the validation split (never the test split). A killed
+    run started again with the same command resumes from its newest usable backup (weights, optimizer and
+    epoch together), losing at most `backup_every` steps."""
+    with run.scope():  # The optimizer's variables are made (and loaded) where the strategy places them.
+        initial_epoch = backups.restore_backup(model, tf.io.gfile.join(run.workdir, "backup"))
+    return model.fit(
+        run.dataset.train,
+        epochs=run.config.epochs,
         initial_epoch=initial_epoch,
         # Image sets repeat: each host runs the same steps whatever its share of skipped files.
-        steps_per_epoch=steps_per_epoch,
-        validation_data=dataset.validation,
-        callbacks=[
-            backups.Backup(backup_dir, save_freq=config.backup_every),
-            keras.callbacks.TerminateOnNaN(),
-            *averaged,
-            *selection,
-            training.CSVLog(tf.io.gfile.join(workdir, "log.csv")),
-            keras.callbacks.TensorBoard(tf.io.gfile.join(workdir, "tensorboard")),
-            throughput,
-            *epoch_figures,
-            *restored,
-            *callbacks,
-        ],
-        verbose=config.verbose,  # 1: a progress bar, 2: a line per epoch (logs)
+        steps_per_epoch=run.steps_per_epoch,
+        validation_data=run.dataset.validation,
+        callbacks=fitting.callbacks,
+        verbose=run.config.verbose,  # 1: a progress bar, 2: a line per epoch (logs)
     )
 
-    # === Evaluate (the test split, first read now) and save: with config.ema_momentum, the moving average ===
+
+def report(run, model, history, fitting):
+    """After training (with config.ema_momentum, of the moving average): the test split, first read now, with
+    eval/ (top-1 and top-5, the loss without label smoothing, per-class figures, calibration); model.keras;
+    the figures and exports; best.keras on the same data; metrics.json and history.json. Returns the metrics."""
+    config, dataset, workdir = run.config, run.dataset, run.workdir
     test_ds = dataset.make_test()
-    # Top-1 and top-5, loss (without label smoothing), per-class figures, calibration: eval/ holds eval.json,
-    # the confusion matrix (CSV, PNG) and the reliability diagram.
-    final = evaluation.evaluate(model, test_ds, class_names=dataset.class_names, strategy=strategy)
+    final = evaluation.evaluate(model, test_ds, class_names=dataset.class_names, strategy=run.strategy)
     final.metrics.update(split=dataset.splits.get("test", {}), skipped_files=dataset.skipped.count)
     final.write(tf.io.gfile.join(workdir, "eval"))
-    test_loss, test_accuracy = final.metrics["loss"], final.metrics["top1_accuracy"]
-    model_path = tf.io.gfile.join(workdir, "model.keras")
-    with atomic_path(model_path, suffix=".keras") as temporary:
+    with atomic_path(tf.io.gfile.join(workdir, "model.keras"), suffix=".keras") as temporary:
         model.save(temporary)
     metrics = {
-        "test_accuracy": float(test_accuracy),  # The final model's.
-        "test_loss": float(test_loss),
+        "test_accuracy": float(final.metrics["top1_accuracy"]),  # The final model's.
+        "test_loss": float(final.metrics["loss"]),
         "test_top5_accuracy": final.metrics["top5_accuracy"],
         "test_expected_calibration_error": final.metrics["expected_calibration_error"],
         "epochs": int(config.epochs),
         "steps": int(model.optimizer.iterations.numpy()),
-        "train_images_per_second": throughput.images_per_second(
-            steps_per_epoch * config.batch_size
-        ),
+        "train_images_per_second": fitting.throughput.images_per_second(run.steps_per_epoch * config.batch_size),
         "train_examples": dataset.num_train,
         "validation_examples": dataset.num_validation,
         "test_examples": dataset.num_test,
@@ -323,26 +371,33 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
         images = next(iter(test_ds.unbatch().batch(config.visualize_images)))[0].numpy()
         for i, image in enumerate(images):
             visualize.write_figures(model, image, figures, prefix=f"test{i}_")
-    for kind in exports:
+    for kind in run.exports:
         metrics[f"export_{kind}"] = export_model(model, kind, workdir, dataset, config)
-    extra = common.extra_evaluations(config, model, strategy)
-
-    # === best.keras, the model selected on the validation split, on the same data ===
-    if selection and tf.io.gfile.exists(best_path):
-        model.load_weights(best_path)  # The final model is saved; the variables are reused.
-        metrics["best_validation_loss"], metrics["best_validation_accuracy"] = map(
-            float, model.evaluate(dataset.validation, verbose=0)
-        )
-        metrics["best_test_loss"], metrics["best_test_accuracy"] = map(float, model.evaluate(test_ds, verbose=0))
-        for name, result in common.extra_evaluations(config, model, strategy).items():
-            if "accuracy" in result:
-                extra[name]["best_accuracy"] = result["accuracy"]
+    extra = evaluations.extra_evaluations(config, model, run.strategy)
+    if fitting.selects and tf.io.gfile.exists(run.best_path):
+        metrics.update(report_best(run, model, test_ds, extra))
     if extra:
         metrics["extra_evals"] = extra
-    common.write_json(tf.io.gfile.join(workdir, "metrics.json"), metrics)
-    common.write_json(
+    outputs.write_json(tf.io.gfile.join(workdir, "metrics.json"), metrics)
+    outputs.write_json(
         tf.io.gfile.join(workdir, "history.json"), {k: [float(v) for v in vs] for k, vs in history.history.items()}
     )
+    return metrics
+
+
+def report_best(run, model, test_ds, extra):
+    """best.keras, the model selected on the validation split, on the same data as the final model: its
+    metrics; its accuracy on the extra test sets goes into `extra`. The final model is saved by then: its
+    variables are reused."""
+    model.load_weights(run.best_path)
+    metrics = {}
+    metrics["best_validation_loss"], metrics["best_validation_accuracy"] = map(
+        float, model.evaluate(run.dataset.validation, verbose=0)
+    )
+    metrics["best_test_loss"], metrics["best_test_accuracy"] = map(float, model.evaluate(test_ds, verbose=0))
+    for name, result in evaluations.extra_evaluations(run.config, model, run.strategy).items():
+        if "accuracy" in result:
+            extra[name]["best_accuracy"] = result["accuracy"]
     return metrics
 
 
@@ -363,7 +418,7 @@ def distribute_on_jax(config, kind="auto", mesh_shape=None, multi_host=False):
         return
     mesh_shape = tuple(int(n) for n in mesh_shape) if mesh_shape else None
     distribution = parallel.make_distribution(
-        kind, mesh_shape, batch_size=config.batch_size, config=common.vit_config(config)
+        kind, mesh_shape, batch_size=config.batch_size, config=models.vit_config(config)
     )
     keras.distribution.set_distribution(distribution)
     logging.info(
@@ -399,4 +454,4 @@ def main(cli):
 
 
 if __name__ == "__main__":
-    common.run_job(main, define_flags)
+    jobs.run_job(main, define_flags)

@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_vit
-from experiments import common, short_runs
+from experiments import datasets, jobs, models, outputs, short_runs
 
 METHODS = ("scratch", "frozen_backbone", "fine_tune")
 
@@ -43,14 +43,14 @@ def split_classes(dataset, classes):
     """The train and test examples of `classes` (a list of labels), relabelled 0 .. len(classes) - 1 in that order."""
     mapping = {label: i for i, label in enumerate(classes)}
     return [
-        common.take(split, np.flatnonzero(np.isin(split.labels, classes)), mapping)
+        datasets.take(split, np.flatnonzero(np.isin(split.labels, classes)), mapping)
         for split in (dataset.train, dataset.test)
     ]
 
 
 def pretrained_vit(config, checkpoint, num_classes, *, freeze):
     """The route of a user with a checkpoint: build, load the .npz, new head, optionally freeze the backbone."""
-    model = common.build_model(config, num_classes)
+    model = models.build_model(config, num_classes)
     keras_vit.load_pretrained(model, checkpoint)
     model = keras_vit.replace_head(model, num_classes)
     return keras_vit.freeze_backbone(model) if freeze else model
@@ -58,7 +58,7 @@ def pretrained_vit(config, checkpoint, num_classes, *, freeze):
 
 def run(config, workdir):
     """Pre-trains, then trains each method at each number of shots and seed; writes the outputs; returns the results."""
-    dataset = common.load_in_memory(config)
+    dataset = datasets.load_in_memory(config)
     source_classes = sorted(int(c) for c in config.source_classes)
     target_classes = [c for c in range(dataset.num_classes) if c not in source_classes]
     if not source_classes or not target_classes or not set(source_classes) <= set(range(dataset.num_classes)):
@@ -75,7 +75,7 @@ def run(config, workdir):
 
     # === Pre-training on the source classes ===
     (model, pretraining), = short_runs.train_runs(
-        lambda: common.build_model(config, len(source_classes)), [(config.seed, source_train)], source_test,
+        lambda: models.build_model(config, len(source_classes)), [(config.seed, source_train)], source_test,
         config=config, steps=config.pretrain_steps, warmup_steps=config.warmup_steps,
         batch_size=config.batch_size, num_classes=len(source_classes),
     )
@@ -91,12 +91,12 @@ def run(config, workdir):
     # === The target task, each method on the same draws ===
     num_classes = len(target_classes)
     draws = [
-        (seed, common.take(target_train, common.stratified_subset(target_train.labels, seed, per_class=k)))
+        (seed, datasets.take(target_train, datasets.stratified_subset(target_train.labels, seed, per_class=k)))
         for k in shots
         for seed in seeds
     ]
     makers = {
-        "scratch": lambda: common.build_model(config, num_classes),
+        "scratch": lambda: models.build_model(config, num_classes),
         "frozen_backbone": lambda: pretrained_vit(config, checkpoint, num_classes, freeze=True),
         "fine_tune": lambda: pretrained_vit(config, checkpoint, num_classes, freeze=False),
     }
@@ -154,8 +154,8 @@ def run(config, workdir):
         [f"{method} ({m['trainable_parameters']:,})"] + [f"{p['mean']:.3f} ± {p['std']:.3f}" for p in m["points"]]
         for method, m in results["methods"].items()
     ]
-    table = common.markdown_table(header, rows)
-    paths = common.write_outputs(workdir, "transfer", results, table, plot(results))
+    table = outputs.markdown_table(header, rows)
+    paths = outputs.write_outputs(workdir, "transfer", results, table, plot(results))
     print(table)
     print("Wrote " + ", ".join(paths))
     return results
@@ -164,7 +164,7 @@ def run(config, workdir):
 def plot(results):
     """Test accuracy against training images per class, one line per method."""
     source, target = results["source"], results["target"]
-    return common.plot_curves(
+    return outputs.plot_curves(
         target["shots"],
         {method.replace("_", " "): m["points"] for method, m in results["methods"].items()},
         xlabel=f"training images per class ({len(target['classes'])} classes, log scale)",
@@ -175,8 +175,8 @@ def plot(results):
 
 
 def define_flags():
-    """The job's flags, defined when it runs as a program (`common.run_job`), not on import."""
-    config, workdir = common.define_config_and_workdir(
+    """The job's flags, defined when it runs as a program (`jobs.run_job`), not on import."""
+    config, workdir = jobs.define_config_and_workdir(
         "experiments/configs/transfer.py", "runs/transfer", "Where pretrained.npz and transfer.json, .md, .png go."
     )
     return {"config": config, "workdir": workdir}
@@ -187,4 +187,4 @@ def main(cli):
 
 
 if __name__ == "__main__":
-    common.run_job(main, define_flags)
+    jobs.run_job(main, define_flags)

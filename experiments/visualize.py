@@ -15,12 +15,12 @@ import numpy as np
 import tensorflow as tf
 from absl import flags
 
-from experiments import common
+from experiments import jobs
 from keras_vit import visualize
 
 
 def define_flags():
-    """The job's flags, defined when it runs as a program (`common.run_job`), not on import."""
+    """The job's flags, defined when it runs as a program (`jobs.run_job`), not on import."""
     return {
         "model": flags.DEFINE_string("model", None, "A .keras model saved from build_vit.", required=True),
         "image": flags.DEFINE_string("image", None, "An image file.", required=True),
@@ -56,4 +56,4 @@ def main(cli):
 
 
 if __name__ == "__main__":
-    common.run_job(main, define_flags)
+    jobs.run_job(main, define_flags)

@@ -70,14 +70,14 @@ def run_module(module, *args, timeout=900):
 
 def run_command_line(module, *args, main=None, exit_code=0):
     """`python -m module args...` in this process: the job's flags defined and parsed from `args` as its command
-    line does (`experiments.common.run_job`), then `main(flags)` (the job's own `main` by default), from the
+    line does (`experiments.jobs.run_job`), then `main(flags)` (the job's own `main` by default), from the
     repository root; returns what it printed, once it exits with `exit_code`. The flags are removed again
     afterwards, so that the next command line defines them anew. A job's command line runs as a program once
     in the suite; its other tests come here.
     """
     from absl import flags
 
-    from experiments import common
+    from experiments import jobs
 
     job = importlib.import_module(module)
     before, argv, cwd = set(flags.FLAGS), sys.argv, os.getcwd()
@@ -86,7 +86,7 @@ def run_command_line(module, *args, main=None, exit_code=0):
     try:
         os.chdir(ROOT)
         with contextlib.redirect_stdout(printed):
-            common.run_job(main or job.main, job.define_flags)
+            jobs.run_job(main or job.main, job.define_flags)
     except SystemExit as exit:
         if (exit.code or 0) != exit_code:
             raise

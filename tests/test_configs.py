@@ -6,7 +6,7 @@ import re
 import keras
 import pytest
 
-from experiments import common, train
+from experiments import models, train
 
 CONFIGS = {
     # module: (variant, image size, parameters of the model the config builds)
@@ -23,7 +23,7 @@ def test_config_builds_its_model(name):
     variant, image_size, params = CONFIGS[name]
     assert config.model.variant == variant and config.image_size == image_size
     num_classes = config.get("num_classes") or 10
-    model = common.build_model(config, num_classes)
+    model = models.build_model(config, num_classes)
     assert model.count_params() == params
     keras.backend.clear_session()
 

@@ -29,10 +29,12 @@ JOB_FLAGS = {
     ],
     "data_service": ["dispatcher", "port", "role", "work_dir", "worker_address"],
 }
+# What the jobs build from a config, and their command line.
+HELPERS = ("models", "datasets", "evaluations", "outputs", "jobs")
 def test_the_jobs_import_together_and_define_no_flag():
     """Every module of experiments/ (the jobs, the benchmark's modes, the configs) imported together, as
     libraries: no flag defined, nothing started (two jobs' flags of one name would otherwise clash:
-    DuplicateFlagError). Each job's flags are defined when its command line runs (`common.run_job`), and
+    DuplicateFlagError). Each job's flags are defined when its command line runs (`jobs.run_job`), and
     its --help lists them."""
     import importlib
     import pkgutil
@@ -47,7 +49,7 @@ def test_the_jobs_import_together_and_define_no_flag():
         info.name: importlib.import_module(info.name)
         for info in pkgutil.walk_packages(experiments.__path__, "experiments.")
     }
-    expected = {f"experiments.{name}" for name in [*JOB_FLAGS, "common", "benchmark", "benchmark.cli", "configs"]}
+    expected = {f"experiments.{name}" for name in [*JOB_FLAGS, *HELPERS, "benchmark", "benchmark.cli", "configs"]}
     assert expected <= set(modules), sorted(modules)
     # No flag of absl's registry comes from experiments/, whichever modules this process imported before.
     defined = {name: flags.FLAGS.find_module_defining_flag(name, "") for name in flags.FLAGS}
@@ -60,12 +62,12 @@ def test_the_jobs_import_together_and_define_no_flag():
     assert helps == JOB_FLAGS
 
 
-def test_common_examples():
+@pytest.mark.parametrize("module", ["models", "evaluations"])
+def test_job_helper_examples(module):
     import doctest
+    import importlib
 
-    from experiments import common
-
-    result = doctest.testmod(common, verbose=False)
+    result = doctest.testmod(importlib.import_module(f"experiments.{module}"), verbose=False)
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -108,7 +110,7 @@ def test_main_job_with_defaults_reaches_97_percent(digits_main_job):
 
 def test_config_overrides_from_the_command_line(tmp_path):
     """--config.FIELD=VALUE on the training job's command line reaches the config and the model it builds."""
-    from experiments import common
+    from experiments import models
 
     seen = {}
     run_command_line(
@@ -126,7 +128,7 @@ def test_config_overrides_from_the_command_line(tmp_path):
     assert seen["workdir"] == str(tmp_path)
     assert (config.epochs, config.jit_compile, config.steps_per_execution) == (2, "on", 4)
     assert config.export == "saved_model,tflite" and config.batch_size == 64  # the digits config's otherwise
-    model = common.build_model(config, 10)
+    model = models.build_model(config, 10)
     assert model.get_layer("pooling").method == "gap"
     names = [layer.name for layer in model.layers]
     assert names.count("encoderblock_0") == 1
@@ -397,7 +399,7 @@ def test_jax_hosts_read_their_own_files_when_each_holds_whole_replicas(monkeypat
     model replica spans both, Keras' sharding by example stays."""
     import jax
 
-    from experiments import common
+    from experiments import datasets
     from keras_vit import parallel
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)  # Host 1 of 2, simulated.
@@ -407,7 +409,7 @@ def test_jax_hosts_read_their_own_files_when_each_holds_whole_replicas(monkeypat
         for kind, mesh in (("data_parallel", (2,)), ("model_parallel", (1, 2))):
             distribution = parallel.make_distribution(kind, mesh)
             keras.distribution.set_distribution(distribution)
-            context = common.jax_input_context()
+            context = datasets.jax_input_context()
             seen[kind] = context and [context.num_input_pipelines, context.input_pipeline_id,
                                       context.get_per_replica_batch_size(64), distribution.auto_shard_dataset]
     finally:

@@ -27,7 +27,7 @@ import json, os, resource, shutil, signal, sys
 import numpy as np
 import tensorflow as tf
 import keras_vit
-from experiments import common
+from experiments import outputs
 from keras_vit import training, visualize
 from keras_vit.files import atomic_path
 
@@ -70,7 +70,7 @@ def control(path):
 writers = {
     "vit.npz": lambda path: keras_vit.save_npz(model, path),
     "vit.safetensors": lambda path: keras_vit.save_timm(model, path),
-    "metrics.json": lambda path: common.write_json(path, {"values": list(range(3000))}),
+    "metrics.json": lambda path: outputs.write_json(path, {"values": list(range(3000))}),
     "model.keras": save_keras,
     "best.keras": best,
     "figure.png": figure,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from experiments import common, train
+from experiments import datasets, evaluations, models, train
 from experiments.configs import digits as digits_config
 from keras_vit import data as vit_data
 from tests.test_data import prepare_tfds, write_folder
@@ -209,9 +209,9 @@ def prepare_evaluation_sets(tmp_path, images, labels):
 def test_real_accuracy_counts_a_prediction_among_the_real_labels_and_leaves_out_unlabelled_images():
     logits = np.array([[0.1, 0.9, 0.0], [0.8, 0.1, 0.1], [0.2, 0.3, 0.5], [0.0, 0.0, 1.0]])
     real = np.array([[0, 1, 1], [0, 1, 0], [0, 0, 0], [1, 0, 1]])
-    assert common.real_accuracy(logits, real) == pytest.approx(2 / 3)  # 3 labelled images, 2 hits
+    assert evaluations.real_accuracy(logits, real) == pytest.approx(2 / 3)  # 3 labelled images, 2 hits
     with pytest.raises(ValueError, match="No image has a real label"):
-        common.real_accuracy(logits, np.zeros_like(real))
+        evaluations.real_accuracy(logits, np.zeros_like(real))
 
 
 def test_evaluation_sets_load_their_labels_and_a_missing_one_is_skipped_and_logged(tmp_path, caplog):
@@ -234,7 +234,7 @@ def test_evaluation_sets_load_their_labels_and_a_missing_one_is_skipped_and_logg
     config.extra_evals = {"v3": {"dataset": "tiny_v3", "split": "test", "label": "label"}}
     model = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Flatten(), keras.layers.Dense(10)])
     with caplog.at_level(logging.INFO, logger="absl"):
-        results = common.extra_evaluations(config, model)
+        results = evaluations.extra_evaluations(config, model)
     assert results == {"v3": {"data": "tfds:tiny_v3:test", "skipped": results["v3"]["skipped"]}}
     assert "not prepared in data_dir" in results["v3"]["skipped"]
     assert "Skipped the extra evaluation 'v3' on tfds:tiny_v3:test" in caplog.text
@@ -286,7 +286,7 @@ def run_watched(config, workdir, monkeypatch):
     (what, training over?) in order, validation_epochs: the epoch running at each validation read, None
     after training)."""
     reads, over, validation_epochs = [], TrainingOver(), []
-    load_data = common.load_data
+    load_data = datasets.load_data
 
     def watched_load_data(config, strategy=None):
         data = load_data(config, strategy)
@@ -300,7 +300,7 @@ def run_watched(config, workdir, monkeypatch):
         data.make_test = watched_make_test
         return data
 
-    monkeypatch.setattr(common, "load_data", watched_load_data)
+    monkeypatch.setattr(datasets, "load_data", watched_load_data)
     metrics = train.train_and_evaluate(config, str(workdir), callbacks=[over])
     return metrics, reads, validation_epochs
 
@@ -371,7 +371,7 @@ def test_the_job_reports_the_final_and_the_best_model_on_each_split_and_on_the_e
     for name, model in (("accuracy", final), ("best_accuracy", best)):
         logits = model.predict(images, verbose=0)
         assert extra["v2"][name] == pytest.approx(float(np.mean(logits.argmax(-1) == labels)), abs=1e-6)
-        assert extra["real"][name] == pytest.approx(common.real_accuracy(logits, hot), abs=1e-6)
+        assert extra["real"][name] == pytest.approx(evaluations.real_accuracy(logits, hot), abs=1e-6)
     assert extra["v2"]["examples"] == extra["v2"]["examples_evaluated"] == 40
     assert extra["real"]["examples_with_labels"] == 32 and extra["real"]["data"] == "tfds:tiny_real:validation"
     assert json.loads((workdir / "metrics.json").read_text()) == metrics
@@ -425,7 +425,7 @@ def test_weight_decay_on_the_kernels_only():
     config.weight_decay, config.learning_rate, config.weight_decay_kernels_only = 0.1, 1e-2, True
     model = keras_vit.build_vit("testing", image_size=16, num_classes=3, patch_size=4, representation_size=8)
     randomize_weights(model)  # no zero weight, which decay would leave as it is
-    optimizer = common.make_optimizer(config, 10, 0, model=model)
+    optimizer = models.make_optimizer(config, 10, 0, model=model)
     before = [w.numpy() for w in model.trainable_weights]
     rate = float(optimizer.learning_rate)  # at step 0: 1e-2 (no warm-up)
     optimizer.apply_gradients([(keras.ops.zeros_like(w), w) for w in model.trainable_weights])
@@ -454,9 +454,9 @@ def test_the_config_reaches_the_training_pipeline(tmp_path, monkeypatch):
     config = digits_config.get_config()
     config.dataset, config.shuffle_buffer, config.cache = f"folder:{root}", 123, True
     config.data_service, config.augment.crop_area_range = "grpc://localhost:5050", (0.05, 1.0)
-    common.load_data(config)
+    datasets.load_data(config)
     config.data_service = ""
-    common.load_data(config)
+    datasets.load_data(config)
     assert [(k["shuffle_buffer"], k["cache"], k["crop_area_range"], k["data_service"]) for k in seen] == [
         (123, True, (0.05, 1.0), "grpc://localhost:5050"), (123, True, (0.05, 1.0), None)
     ]

@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import pytest
 
-from experiments import baselines, common, scaling, short_runs, transfer
+from experiments import baselines, datasets, models, scaling, short_runs, transfer
 from keras_vit import data as vit_data
 from keras_vit.checkpoints import read_npz
 from tests.conftest import run_module
@@ -53,20 +53,20 @@ def test_no_crossing_and_ties():
 
 def test_stratified_subsets_are_nested_and_balanced():
     labels = np.repeat(np.arange(3), [10, 20, 40])
-    small = common.stratified_subset(labels, 7, fraction=0.1)
-    large = common.stratified_subset(labels, 7, fraction=0.5)
+    small = datasets.stratified_subset(labels, 7, fraction=0.1)
+    large = datasets.stratified_subset(labels, 7, fraction=0.5)
     assert np.bincount(labels[small]).tolist() == [1, 2, 4]
     assert np.bincount(labels[large]).tolist() == [5, 10, 20]
     assert set(small) <= set(large) and np.all(np.diff(large) > 0)
-    assert not np.array_equal(large, common.stratified_subset(labels, 8, fraction=0.5))  # Another seed, another draw.
-    shots = common.stratified_subset(labels, 7, per_class=3)
+    assert not np.array_equal(large, datasets.stratified_subset(labels, 8, fraction=0.5))  # Another seed, another draw.
+    shots = datasets.stratified_subset(labels, 7, per_class=3)
     assert np.bincount(labels[shots]).tolist() == [3, 3, 3]
-    assert set(common.stratified_subset(labels, 7, per_class=2)) <= set(shots)
-    assert len(common.stratified_subset(labels, 0, fraction=0.01)) == 3  # At least one per class.
+    assert set(datasets.stratified_subset(labels, 7, per_class=2)) <= set(shots)
+    assert len(datasets.stratified_subset(labels, 0, fraction=0.01)) == 3  # At least one per class.
     with pytest.raises(ValueError, match="Class 0 has 10 examples; 11 were asked for"):
-        common.stratified_subset(labels, 0, per_class=11)
+        datasets.stratified_subset(labels, 0, per_class=11)
     with pytest.raises(ValueError, match="Give one of"):
-        common.stratified_subset(labels, 0, fraction=0.5, per_class=2)
+        datasets.stratified_subset(labels, 0, fraction=0.5, per_class=2)
 
 
 def test_an_image_folder_is_read_into_memory_as_evaluation_images(tmp_path):
@@ -76,7 +76,7 @@ def test_an_image_folder_is_read_into_memory_as_evaluation_images(tmp_path):
     root = write_folder(tmp_path / "images", per_class=4, size=(20, 12))
     config = scaling_config.get_config()
     config.dataset, config.image_size, config.test_fraction = f"folder:{root}", 8, 0.25
-    dataset = common.load_in_memory(config)
+    dataset = datasets.load_in_memory(config)
     # The scaling config holds out 10% of the 9 training images for validation: one, drawn at random.
     assert (len(dataset.train), len(dataset.validation), len(dataset.test), dataset.num_classes) == (8, 1, 3, 3)
     assert dataset.class_names == ["cat", "dog", "eel"]
@@ -97,10 +97,10 @@ def test_an_image_folder_is_read_into_memory_as_evaluation_images(tmp_path):
 
 
 def test_whole_executions_divide_the_epoch():
-    assert common.whole_executions(50, 95) == 19  # The CIFAR-10 recipe: 95 steps of 512 per epoch.
-    assert common.whole_executions(100, 1251) == 9
-    assert common.whole_executions(1, 20) == 1 and common.whole_executions(7, 20) == 5
-    assert common.whole_executions(64, 20) == 20
+    assert models.whole_executions(50, 95) == 19  # The CIFAR-10 recipe: 95 steps of 512 per epoch.
+    assert models.whole_executions(100, 1251) == 9
+    assert models.whole_executions(1, 20) == 1 and models.whole_executions(7, 20) == 5
+    assert models.whole_executions(64, 20) == 20
 
 
 def test_split_classes_relabels_in_the_order_given():
@@ -215,9 +215,9 @@ def test_early_stopping_keeps_the_best_weights_and_needs_whole_evaluation_period
 
     # With a moving average of the weights, the average is measured and kept.
     config = tiny_config(scaling_config, batch_size=16, ema_momentum=ema_momentum)
-    dataset = common.load_in_memory(config)
-    train = common.take(dataset.train, np.arange(64))
-    make_model = functools.partial(common.build_model, config, dataset.num_classes)
+    dataset = datasets.load_in_memory(config)
+    train = datasets.take(dataset.train, np.arange(64))
+    make_model = functools.partial(models.build_model, config, dataset.num_classes)
     (model, result), = short_runs.train_runs(
         make_model, [(0, train)], dataset.test, config=config, steps=6, warmup_steps=1, batch_size=16,
         num_classes=10, validation=dataset.validation, eval_every=2, patience=1,
@@ -234,7 +234,7 @@ def test_early_stopping_keeps_the_best_weights_and_needs_whole_evaluation_period
 
 @pytest.mark.slow
 def test_transfer_writes_its_checkpoint_json_table_and_figure(tmp_path, capsys):
-    """In this process, through the job's `run`; its command line is `common.run_job`'s, which the scaling
+    """In this process, through the job's `run`; its command line is `jobs.run_job`'s, which the scaling
     test runs end to end."""
     from experiments.configs import transfer as transfer_config
 

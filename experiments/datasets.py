@@ -1,119 +1,18 @@
-"""What every job in experiments/ builds from its config: the model, the optimizer, the data, the outputs.
-
-The jobs (`train`, `scaling`, `transfer`, `export`, `visualize`) are thin and
-alike: each reads top to bottom and calls these helpers, so that a ViT, an
-optimizer or a data set is made from a config in one place whichever job
-asks.  The helpers take a config, never a flag.  The command line is glued
-on the same way for every job (`run_job`): its flags are defined when the
-job runs as a program, never on import, so that the jobs can be imported
-together, as libraries, without side effects.
-
-    >>> from experiments.configs import digits
-    >>> config = digits.get_config()
-    >>> build_model(config, num_classes=10).count_params()
-    139722
-    >>> vit_config(config).hidden_dim, vit_config(config).patch_size
-    (64, (2, 2))
-"""
+"""The jobs' data, made from a config: streamed for the training job (`load_data`: the digits, an image
+folder or TFDS, through a strategy's input pipelines), or whole in memory for the short runs of `scaling` and
+`transfer` (`load_in_memory`, stratified subsets)."""
 
 import dataclasses
 import functools
-import json
-import sys
-import types
 from collections.abc import Callable
 
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import logging
 
-import keras_vit
 from keras_vit import data as vit_data
-from keras_vit import evaluation, training, visualize
-from keras_vit.files import write_text_atomically
-from keras_vit.variants import ViTConfig, parse_variant, to_pair
-
-# === Model and optimizer ===
-
-
-def build_model(config, num_classes, class_names=None):
-    """The ViT of config.model (a variant and `build_vit`'s keyword arguments) at config.image_size, with the
-    data's `class_names` (kept in the model's spec, so in every file it is saved to)."""
-    model = dict(config.model)
-    return keras_vit.build_vit(model.pop("variant"), image_size=config.image_size, num_classes=num_classes,
-                               class_names=class_names, **model)  # fmt: skip
-
-
-def vit_config(config):
-    """The `ViTConfig` the job's model will have (its variant and the overrides in config.model), without
-    building it: what a device mesh is planned from."""
-    fields = set(ViTConfig.__dataclass_fields__)
-    model = dict(config.model)
-    return parse_variant(model.pop("variant"), **{k: v for k, v in model.items() if k in fields})
-
-
-def make_optimizer(config, steps, warmup_steps, recipe=None, model=None):
-    """`keras_vit.training.make_optimizer` for `steps` steps with `warmup_steps` of warm-up (at most steps - 1).
-
-    The optimizer, learning rate and weight decay are `recipe`'s (by default
-    config's: a job with a second recipe, such as transfer's fine-tuning,
-    passes it); the decay, the gradient clipping, the moving average and the
-    layer-wise decay (of `model`) are config's.  With
-    config.weight_decay_kernels_only, the weight decay reaches only the
-    kernels of `model` (big_vision's default), not its biases, norms and
-    embeddings.
-    """
-    recipe = recipe or config
-    optimizer = training.make_optimizer(
-        recipe.optimizer,
-        recipe.learning_rate,
-        steps,
-        min(warmup_steps, steps - 1),
-        weight_decay=recipe.weight_decay,
-        decay=config.decay,
-        grad_clip_norm=config.grad_clip_norm,
-        ema_momentum=config.get("ema_momentum", 0.0),
-        layer_decay=config.get("layer_decay", 1.0),
-        model=model,
-    )
-    if config.get("weight_decay_kernels_only") and recipe.weight_decay:
-        if model is None:
-            raise ValueError("config.weight_decay_kernels_only needs the model, to find its kernels.")
-        optimizer.exclude_from_weight_decay(
-            var_list=[w for w in model.trainable_weights if not w.name.endswith("kernel")]
-        )
-    return optimizer
-
-
-def whole_executions(steps_per_execution, steps_per_epoch):
-    """The largest divisor of `steps_per_epoch` that is at most `steps_per_execution`.
-
-    Keras runs each execution whole: with 95 steps per epoch and 50 steps
-    per execution, an epoch would run 100 steps, and the run more steps than
-    its schedule has (the last ones at a learning rate of 0).
-    """
-    return max(n for n in range(1, min(steps_per_execution, steps_per_epoch) + 1) if steps_per_epoch % n == 0)
-
-
-def compile_model(model, config, optimizer, *, steps_per_execution=1):
-    """Compiles `model` for one-hot labels: cross-entropy on logits with config.label_smoothing, accuracy,
-    XLA as config.jit_compile and config.precision ask (`keras_vit.training.resolve_jit_compile`).
-
-    Under a strategy's scope, "auto" follows the strategy.
-    """
-    model.compile(
-        optimizer=optimizer,
-        loss=keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=config.label_smoothing),
-        metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")],
-        jit_compile=training.resolve_jit_compile(config.jit_compile, config.precision),
-        steps_per_execution=steps_per_execution,
-    )
-    return model
-
-
-# === Data, streamed ===
+from keras_vit.variants import to_pair
 
 
 @dataclasses.dataclass
@@ -299,9 +198,6 @@ def jax_input_context():
     )
 
 
-# === Data, in memory ===
-
-
 def load_in_memory(config):
     """The train, test and (with config.validation_fraction or validation_split) validation splits of
     config.dataset as uint8 arrays (`keras_vit.data.Dataset`).
@@ -363,156 +259,3 @@ def take(split, indices, labels=None):
     if labels is not None:
         targets = np.array([labels[int(y)] for y in targets], np.int32)
     return vit_data.Split(split.images[indices], targets)
-
-
-# === Evaluation after training ===
-
-
-def real_accuracy(logits, real_labels):
-    """ImageNet ReaL accuracy (Beyer et al. 2020, "Are we done with ImageNet?"): the share of images whose
-    top-1 prediction is one of their real labels (`real_labels`: multi-hot rows); images with no real
-    label are left out.
-
-    >>> logits = np.array([[0.1, 0.9, 0.0], [0.8, 0.1, 0.1], [0.2, 0.3, 0.5]])
-    >>> real_accuracy(logits, np.array([[0, 1, 1], [0, 1, 0], [0, 0, 0]]))
-    0.5
-    """
-    real_labels = np.asarray(real_labels)
-    labelled = real_labels.any(axis=-1)
-    if not labelled.any():
-        raise ValueError("No image has a real label: ReaL accuracy is undefined.")
-    hits = real_labels[np.arange(len(real_labels)), np.argmax(logits, axis=-1)] > 0
-    return float(hits[labelled].mean())
-
-
-def extra_evaluations(config, model, strategy=None):
-    """`model` on each test set of config.extra_evals that is prepared in config.data_dir (ImageNet-v2,
-    ReaL, ...): {name: {"data", "examples", "accuracy"}}, or {name: {"data", "skipped": why}} (and a log
-    line) for a set that is not there.
-
-    Images are evaluated as the job's own test split (`center_crop_resize` at
-    config.image_size with config.crop_fraction).  A label that is a
-    Sequence of classes (ReaL's "real_label") gives `real_accuracy`, with
-    "examples_with_labels" beside it.
-    """
-    size = to_pair(config.image_size, "image_size")
-    results = {}
-    for name, spec in config.extra_evals.items():
-        data = f"tfds:{spec.dataset}:{spec.split}"
-        try:
-            images, count, num_classes = vit_data.load_tfds_evaluation(
-                spec.dataset, spec.split, data_dir=config.data_dir or None, label_key=spec.get("label", "label"),
-                image_limits=image_limits(config),
-            )
-            if num_classes != model.output_shape[-1]:
-                raise ValueError(f"it has {num_classes} classes, the model {model.output_shape[-1]}.")
-        except ValueError as error:
-            logging.info("Skipped the extra evaluation %r on %s: %s", name, data, error)
-            results[name] = {"data": data, "skipped": str(error)}
-            continue
-        batches = images.map(
-            lambda x, y: (vit_data.center_crop_resize(x, size, config.crop_fraction), y),
-            num_parallel_calls=tf.data.AUTOTUNE,
-        ).batch(config.batch_size).prefetch(tf.data.AUTOTUNE)
-        logits, labels = evaluation.predict_with_labels(model, batches, strategy)
-        result = {"data": data, "examples": count, "examples_evaluated": len(labels)}
-        if labels.ndim == 2:
-            result["accuracy"] = real_accuracy(logits, labels)
-            result["examples_with_labels"] = int(labels.any(axis=-1).sum())
-        else:
-            result["accuracy"] = float(np.mean(np.argmax(logits, axis=-1) == labels))
-        logging.info("Extra evaluation %r on %s: %s", name, data, result)
-        results[name] = result
-    return results
-
-
-# === Outputs ===
-
-
-def write_text(path, text):
-    """Writes `text` to `path` (local or gs://) whole or not at all (`keras_vit.files.atomic_path`): under a
-    temporary name, renamed when complete; returns path."""
-    return write_text_atomically(str(path), text)
-
-
-def write_json(path, data):
-    """Writes `data` as indented JSON to `path` (`write_text`); returns path."""
-    return write_text(path, json.dumps(data, indent=2))
-
-
-def markdown_table(header, rows):
-    """A Markdown table of `header` and `rows` (lists of cells).
-
-    >>> print(markdown_table(["size", "accuracy"], [[10, "0.5"]]))
-    | size | accuracy |
-    |---|---|
-    | 10 | 0.5 |
-    """
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def write_outputs(workdir, name, results, table, figure):
-    """Writes `name`.json (results), `name`.md (table) and `name`.png (figure) into workdir; returns their paths."""
-    tf.io.gfile.makedirs(workdir)
-    paths = [tf.io.gfile.join(workdir, f"{name}.{ext}") for ext in ("json", "md", "png")]
-    write_json(paths[0], results)
-    write_text(paths[1], table + "\n")
-    visualize.save_figure(figure, paths[2])
-    return paths
-
-
-def plot_curves(xs, curves, *, xlabel, ylabel, title, marks=()):
-    """A figure of curves ({label: points with "mean" and "std"}) against `xs` on a log axis, standard
-    deviations as error bars, vertical dotted lines at `marks`."""
-    plt = visualize.pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for label, points in curves.items():
-        ax.errorbar(
-            xs, [p["mean"] for p in points], yerr=[p["std"] for p in points], marker="o", capsize=3, label=label
-        )
-    for x in marks:
-        ax.axvline(x, color="grey", linestyle=":", linewidth=1)
-    ax.set_xscale("log")
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.minorticks_off()
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    return fig
-
-
-# === The command line ===
-
-
-def define_config_and_workdir(config_file, workdir, workdir_help):
-    """Defines --config (a Python config file, default `config_file`, whose fields `--config.FIELD=VALUE`
-    overrides) and --workdir; returns their flag holders (config, workdir)."""
-    return (
-        config_flags.DEFINE_config_file("config", config_file, "Python config file; fields can be overridden."),
-        flags.DEFINE_string("workdir", workdir, workdir_help),
-    )
-
-
-def run_job(main, define_flags):
-    """Runs a job from the command line: `define_flags()` defines its flags and returns them (a dict of name to
-    flag holder), absl parses the command line, then `main(flags)` runs with them as attributes.
-
-    Called from a job's `if __name__ == "__main__":` block only, so that no
-    flag is defined when a job is imported.  Positional arguments are refused.
-    """
-    job_flags = types.SimpleNamespace(**define_flags())
-    for holder in vars(job_flags).values():
-        # --help lists the program's own flags: these, wherever they were defined (--config and --workdir here).
-        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[holder.name])
-
-    def absl_main(argv):
-        if len(argv) > 1:
-            raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-        main(job_flags)
-
-    app.run(absl_main)
