@@ -276,6 +276,7 @@ def test_int4_quantizes_the_dense_layers_and_the_attention_says_it_takes_int8_on
     assert np.isfinite(model.predict(random_images((2, 16, 16, 3), seed=7), verbose=0)).all()
 
 
+@pytest.mark.slow  # Each quantization (Keras' too) collects garbage per kernel: seconds in a large process.
 def test_a_quantized_models_file_keeps_each_layers_quantization_config(tmp_path):
     """int4 in blocks along the inputs and int8 of the weights alone (activations in float): reloaded as made."""
     images = random_images((2, 16, 16, 3), seed=9)
