@@ -226,40 +226,38 @@ def matmul_kernels(model):
 
 @pytest.mark.slow
 def test_int8_quantizes_every_matmul_but_the_patch_embedding_and_saves_reloads_and_exports(tmp_path):
+    """A model with every kind of matmul: the blocks' attention and MLPs, the MAP head (its own projections and
+    MLP), the pre-logits layer and the head."""
     import warnings
 
     from keras_vit.export import export_saved_model
 
     images = random_images((4, 16, 16, 3), seed=6).astype(np.uint8)
-    loaded, jobs = {}, {}
-    for classifier in ("token", "map"):
-        model = small_vit(classifier=classifier, representation_size=8)
-        float_logits = model.predict(images, verbose=0)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model.quantize("int8")
-        assert [str(w.message) for w in caught] == []  # No layer refused, nothing to ignore.
-        kernels = matmul_kernels(model)
-        assert kernels.pop("patch_encoder/kernel") == "float32"
-        # qkv, attention output and the MLP's two per block, pre-logits and head; the MAP head's three and its MLP.
-        assert set(kernels.values()) == {"int8"} and len(kernels) == 2 * 4 + 2 + (3 + 2) * (classifier == "map")
-        logits = model.predict(images, verbose=0)
-        # Per-channel int8 weights and per-token int8 activations: within a few percent of the float logits.
-        assert np.abs(logits - float_logits).max() < 0.05 * np.abs(float_logits).max()
-        assert not np.array_equal(logits, float_logits)
+    model = small_vit(classifier="map", representation_size=8)
+    float_logits = model.predict(images, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.quantize("int8")
+    assert [str(w.message) for w in caught] == []  # No layer refused, nothing to ignore.
+    kernels = matmul_kernels(model)
+    assert kernels.pop("patch_encoder/kernel") == "float32"
+    # qkv, attention output and the MLP's two per block; the MAP head's three and its MLP's two; pre-logits, head.
+    assert set(kernels.values()) == {"int8"} and len(kernels) == 2 * 4 + 3 + 2 + 2
+    logits = model.predict(images, verbose=0)
+    # Per-channel int8 weights and per-token int8 activations: within a few percent of the float logits.
+    assert np.abs(logits - float_logits).max() < 0.05 * np.abs(float_logits).max()
+    assert not np.array_equal(logits, float_logits)
 
-        model.save(tmp_path / f"{classifier}.keras")
-        loaded[classifier] = keras.models.load_model(tmp_path / f"{classifier}.keras")
-        assert matmul_kernels(loaded[classifier]) == matmul_kernels(model)
-        np.testing.assert_array_equal(loaded[classifier].predict(images, verbose=0), logits)
-        export_saved_model(loaded[classifier], tmp_path / f"{classifier}_saved_model")
-        # Another size keeps the quantized layers (the learned position embeddings resampled, as in float).
-        bigger = keras_vit.set_image_size(loaded[classifier], 32)
-        assert matmul_kernels(bigger) == matmul_kernels(model) and bigger.output_shape == (None, 3)
-        jobs[classifier] = ("saved_model", tmp_path / f"{classifier}_saved_model", {"images": images})
-    for classifier, served in serve_all(jobs, tmp_path / "serving").items():
-        expected = loaded[classifier].predict(images, verbose=0)
-        np.testing.assert_allclose(served["images_logits"], expected, atol=1e-5)
+    model.save(tmp_path / "int8.keras")
+    loaded = keras.models.load_model(tmp_path / "int8.keras")
+    assert matmul_kernels(loaded) == matmul_kernels(model)
+    np.testing.assert_array_equal(loaded.predict(images, verbose=0), logits)
+    # Another size keeps the quantized layers (the learned position embeddings resampled, as in float).
+    bigger = keras_vit.set_image_size(loaded, 32)
+    assert matmul_kernels(bigger) == matmul_kernels(model) and bigger.output_shape == (None, 3)
+    export_saved_model(loaded, tmp_path / "saved_model")
+    served = serve_all({"int8": ("saved_model", tmp_path / "saved_model", {"images": images})}, tmp_path / "serving")
+    np.testing.assert_allclose(served["int8"]["images_logits"], logits, atol=1e-5)
 
 
 def test_int4_quantizes_the_dense_layers_and_the_attention_says_it_takes_int8_only():
