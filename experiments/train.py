@@ -147,11 +147,15 @@ class Run:
     config: object
     workdir: str
     strategy: object  # A tf.distribute.Strategy on TensorFlow; None on the other backends.
-    scope: object  # The strategy's scope (a no-op context on the other backends).
     dataset: object  # datasets.Data
     steps_per_epoch: int
     steps_per_execution: int
     exports: list
+
+    @property
+    def scope(self):
+        """The strategy's scope (a no-op context on the other backends)."""
+        return contextlib.nullcontext if self.strategy is None else self.strategy.scope
 
     @property
     def best_path(self):
@@ -192,7 +196,7 @@ def prepare_run(config, workdir, strategy=None):
     config_checks.check_config(config)
     if keras.backend.backend() == "tensorflow":
         strategy = strategy or get_strategy("one_device")
-        scope, chief = strategy.scope, is_chief(strategy)
+        chief = is_chief(strategy)
         worker = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0)
     elif strategy is not None:
         raise ValueError(
@@ -202,7 +206,7 @@ def prepare_run(config, workdir, strategy=None):
         )
     else:
         worker = _process_index()
-        scope, chief = contextlib.nullcontext, worker == 0
+        chief = worker == 0
     if not chief:
         # Every worker runs the same program; only the chief writes the job's
         # outputs, the others write theirs apart (each its own backups too).
@@ -239,7 +243,7 @@ def prepare_run(config, workdir, strategy=None):
             "No validation split (config.validation_fraction=0 and no validation_split): no per-epoch "
             "validation and no best.keras."
         )
-    return Run(config, workdir, strategy, scope, dataset, steps_per_epoch, steps_per_execution, exports)
+    return Run(config, workdir, strategy, dataset, steps_per_epoch, steps_per_execution, exports)
 
 
 def build_model(run):

@@ -448,9 +448,7 @@ def from_pretrained(name_or_path, *, image_size=None, num_classes="file", class_
     elif (num_classes or None) != file_classes:
         names = None
     if class_names is not None:
-        names = [str(n) for n in class_names]
-    if names is not None and len(names) != (num_classes or 0):
-        raise ValueError(f"{len(names)} class names for a model with num_classes={num_classes}.")
+        names = [str(n) for n in class_names]  # Checked against the head by the model's spec.
     variant = arguments.pop("variant", None) or _variant_name(arguments)
     size = to_pair(image_size or own_size, "image_size")
     model = build_vit(

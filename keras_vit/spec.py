@@ -125,10 +125,8 @@ class ViTSpec:
             object.__setattr__(self, name, value)
 
         # The transformer's sizes: ViTConfig's checks.
-        config = ViTConfig(self.hidden_dim, self.num_layers, self.num_heads, self.mlp_dim, self.patch_size,
-                           None if self.resnet_layers is None else tuple(self.resnet_layers))  # fmt: skip
-        store("patch_size", config.patch_size)
-        store("resnet_layers", config.resnet_layers)
+        store("resnet_layers", None if self.resnet_layers is None else tuple(self.resnet_layers))
+        store("patch_size", self.config.patch_size)
         received = self.image_size
         store("image_size", to_pair(self.image_size, "image_size"))
         stride = self.stride

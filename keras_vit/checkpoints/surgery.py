@@ -69,14 +69,6 @@ def _rebuild(model, image_size=None):
     return keras.Model(inputs, x, name=model.name), list(zip(layers[1:], clones))
 
 
-def _frozen(model, but=()):
-    return [layer.name for layer in model.layers if not layer.trainable and layer.name not in but]
-
-
-def _policy(model):
-    return model.get_layer("patch_encoder").dtype_policy.name
-
-
 def set_image_size(model, image_size, interpolation="bicubic"):
     """A new model at another resolution with the same weights.
 
@@ -94,8 +86,8 @@ def set_image_size(model, image_size, interpolation="bicubic"):
         spec = model.spec.replace(
             image_size=size, preprocessing=None if preprocessing is None else preprocessing.at_size(size)
         )
-        quantized = model.get_config().get("quantized")  # A quantized model's layers stay quantized.
-        new_model = ViT(spec, name=model.name, frozen_layers=_frozen(model), dtype=_policy(model), quantized=quantized)
+        # The name, frozen layers, dtype policy and quantized layers as the model's config has them.
+        new_model = ViT(**{**model.get_config(), "spec": spec})
         pairs = [(layer, new_model.get_layer(layer.name)) for layer in model.layers[1:]]
     else:
         new_model, pairs = _rebuild(model, image_size)
@@ -123,7 +115,7 @@ def replace_head(model, num_classes, *, name=None):
     if isinstance(model, ViT):
         spec = model.spec.replace(num_classes=num_classes or None, class_names=None, head_kernel_initializer="zeros")
         shared = [layer for layer in model.layers[1:] if layer.name != "head"]
-        return ViT(spec, name=name or model.name, shared_layers=shared, dtype=_policy(model))
+        return ViT(spec, name=name or model.name, shared_layers=shared, dtype=model.get_config()["dtype"])
     features = model.get_layer("head").input if "head" in [layer.name for layer in model.layers] else model.output
     outputs = features
     if num_classes:

@@ -77,7 +77,7 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
     def call(self, inputs, training=None, return_attention_scores=False):
         if not self.trainable:  # Frozen: inference mode, no attention dropout.
             training = False
-        qkv = self.project(inputs, "qkv_kernel", self.qkv_bias, kernels.dense)
+        qkv = self.project(inputs, "qkv_kernel", self.qkv_bias)
         attended = kernels.attention(
             qkv,
             self.num_heads,
@@ -87,7 +87,7 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
         )
         if return_attention_scores:
             attended, scores = attended
-        outputs = self.project(attended, "output_kernel", self.output_bias, kernels.dense)
+        outputs = self.project(attended, "output_kernel", self.output_bias)
         return (outputs, scores) if return_attention_scores else outputs
 
     def compute_output_shape(self, input_shape):

@@ -240,10 +240,10 @@ class MAPHead(Int8Kernels, keras.layers.Layer):
             training = False
         probe = ops.cast(self.probe, tokens.dtype)
         probe = ops.broadcast_to(probe, (ops.shape(tokens)[0], 1, tokens.shape[-1]))
-        query = self.project(probe, "query_kernel", self.query_bias, kernels.dense)  # (batch, 1, hidden)
-        key_value = self.project(tokens, "key_value_kernel", self.key_value_bias, kernels.dense)  # (b, t, 2, hidden)
+        query = self.project(probe, "query_kernel", self.query_bias)  # (batch, 1, hidden)
+        key_value = self.project(tokens, "key_value_kernel", self.key_value_bias)  # (b, t, 2, hidden)
         attended = kernels.cross_attention(query, key_value, self.num_heads, training=training)
-        x = self.project(attended, "output_kernel", self.output_bias, kernels.dense)
+        x = self.project(attended, "output_kernel", self.output_bias)
         x = x + self.mlp_dense_2(self.mlp_dense_1(self.norm(x, training=training)))
         return x[:, 0]
 

@@ -15,6 +15,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_vit import kernels
+
 
 def int8_dense(x, kernel, kernel_scale, bias, dtype, inputs_quantizer):
     """x @ kernel + bias with an int8 `kernel` (its first axis contracted with x's last, its other axes those of
@@ -44,10 +46,7 @@ class Int8Kernels:
 
     def quantize(self, mode=None, type_check=True, config=None):
         if mode != "int8":
-            raise NotImplementedError(
-                f"Layer {type(self).__name__} ({self.name!r}) quantizes its kernels to int8 only. "
-                f"Received: mode={mode!r}"
-            )
+            raise self._int8_only(f"mode={mode!r}")
         self.quantize_kernels(config)
         if self.dtype_policy.quantization_mode is None:
             self.dtype_policy = keras.dtype_policies.get(f"int8_from_{self.dtype_policy.name}")
@@ -74,12 +73,12 @@ class Int8Kernels:
         # Keras' guide: set before the dtype policy changes, so that its setter does not quantize again.
         self._is_quantized = True
 
-    def project(self, x, name, bias, dense):
-        """x @ kernel `name` + bias: `dense(x, kernel, bias)` in float, the int8 matmul once quantized."""
+    def project(self, x, name, bias):
+        """x @ kernel `name` + bias: `kernels.dense` in float, the int8 matmul once quantized."""
         if self.quantization_mode == "int8":
             return int8_dense(x, getattr(self, name), getattr(self, f"{name}_scale"), bias, self.compute_dtype,
                               self.inputs_quantizer)  # fmt: skip
-        return dense(x, getattr(self, name), bias)
+        return kernels.dense(x, getattr(self, name), bias)
 
     def build_quantized(self):
         """At the end of `build`: a layer made with an int8 dtype policy (as Keras' loading makes one) holds
@@ -88,11 +87,13 @@ class Int8Kernels:
         if mode is None:
             return
         if mode != "int8":
-            raise NotImplementedError(
-                f"Layer {type(self).__name__} ({self.name!r}) quantizes its kernels to int8 only. Received: "
-                f"dtype policy {self.dtype_policy.name!r}"
-            )
+            raise self._int8_only(f"dtype policy {self.dtype_policy.name!r}")
         self.quantize_kernels()
+
+    def _int8_only(self, received):
+        return NotImplementedError(
+            f"Layer {type(self).__name__} ({self.name!r}) quantizes its kernels to int8 only. Received: {received}"
+        )
 
     def _int8_call(self, *args, **kwargs):
         # Keras calls this for a layer quantized to int8; `call` takes the int8 path through `project`.
