@@ -42,7 +42,7 @@ from keras_vit.preprocessing import Preprocessing
 from keras_vit.pretrained import PretrainedError, from_pretrained
 from keras_vit.resnet import BottleneckUnit, ResNetStem, StandardizedConv2D
 from keras_vit.spec import ViTSpec
-from keras_vit.train_step import enable_gradient_accumulation
+from keras_vit.train_step import TrainingSteps, enable_gradient_accumulation
 from keras_vit.training import (
     SGD,
     AdamW,
@@ -73,6 +73,7 @@ __all__ = [
     "StandardizedConv2D",
     "TensorBoardFigures",
     "TokenPooling",
+    "TrainingSteps",
     "TransformerBlock",
     "VARIANTS",
     "ViT",

@@ -30,9 +30,10 @@ run of the same program, each step its own draws, and a run resumed by
 backends draw other numbers from the same seed, and so does TensorFlow with
 XLA and without: its random ops pick their algorithm by where they run.)
 
-The model itself is not changed: `enable_batch_mixing` replaces the training
-step of this one model object, so evaluation and prediction never mix and
-what `model.save` and the checkpoint callbacks write is the plain model.
+The model itself is not changed: `enable_batch_mixing` sets the model's
+`batch_mixer`, which its training step (`keras_vit.TrainingSteps`) reads, so
+evaluation and prediction never mix and what `model.save` and the checkpoint
+callbacks write is the plain model.
 
 >>> import numpy as np
 >>> mixer = BatchMixer(mixup_alpha=0.8, seed=0)
@@ -202,26 +203,18 @@ class BatchMixer:
         labels = labels * label_weight + _reverse(labels, groups) * (1 - label_weight)
         return images, labels
 
-    def training_step(self, inner_step, *, jax=False):
-        """A training step `(model, data)` (JAX: `(model, state, data)`) that mixes the batch, then runs
-        `inner_step` with the same arguments on the mixed batch (`keras_vit.train_step.install`)."""
-        unpack, pack = keras.utils.unpack_x_y_sample_weight, keras.utils.pack_x_y_sample_weight
-
-        def train_step(model, data):
-            x, y, sample_weight = unpack(data)
-            x, y = self(x, y, model.optimizer.iterations, dtype=_input_dtype(model))
-            return inner_step(model, pack(x, y, sample_weight))
-
-        def jax_train_step(model, state, data):
-            # The JAX trainer's step is a pure function of `state`: the step
-            # counter is read from the optimizer's values in it.
-            x, y, sample_weight = unpack(data)
+    def mix_training_batch(self, model, data, state=None):
+        """`fit`'s batch `data` ((x, y) or (x, y, sample_weight)) with x and y mixed, x cast to the model's
+        input dtype, for `model`'s training step (`keras_vit.TrainingSteps`).  On JAX, `state` is the
+        trainer's (trainable, non-trainable, optimizer, metrics) values, where the step counter is read."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if state is None:
+            step, groups = model.optimizer.iterations, 1
+        else:  # JAX: the step is a pure function of `state`; the batch is the global one.
             step = _step_value(model.optimizer, state[2])
             groups = _data_shards(tuple(x.shape)) if hasattr(x, "shape") else 1
-            x, y = self(x, y, step, dtype=_input_dtype(model), groups=groups)
-            return inner_step(model, state, pack(x, y, sample_weight))
-
-        return jax_train_step if jax else train_step
+        x, y = self(x, y, step, dtype=_input_dtype(model), groups=groups)
+        return keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
 
     def _draw(self, step, height, width):
         """(weight of each example's own pixels, (height, width, 1) or scalar; weight of its own label)."""
@@ -305,8 +298,8 @@ def enable_batch_mixing(model, mixup_alpha=0.0, cutmix_alpha=0.0, switch_prob=0.
     The data pipeline delivers the unmixed batches: images (batch, height,
     width, channels), uint8 is best (the bytes that cross to the device), and
     one-hot float labels (batch, classes).  The step casts the images to the
-    model's input dtype, mixes images and labels (see `BatchMixer`), then runs
-    the model's own training step on them.  Evaluation and prediction do not
+    model's input dtype, mixes images and labels (see `BatchMixer`), then
+    trains on them.  Evaluation and prediction do not
     mix; the model's layers, weights and saved files are unchanged.  Sample
     weights (and `class_weight`, which Keras turns into sample weights from
     the unmixed labels) stay with their example.
@@ -316,13 +309,15 @@ def enable_batch_mixing(model, mixup_alpha=0.0, cutmix_alpha=0.0, switch_prob=0.
     alphas 0 the model trains on the batches as they come.
 
     Args:
-        model: a Keras model with one image input.
+        model: a `keras_vit.ViT` (or a model whose class derives from
+            `keras_vit.TrainingSteps`) with one image input.
         mixup_alpha, cutmix_alpha, switch_prob, seed: see `BatchMixer`.
 
     Returns:
         The `BatchMixer`.
     """
+    train_step.require_training_steps(model, "Batch mixing")
     mixer = BatchMixer(mixup_alpha, cutmix_alpha, switch_prob, seed)
-    train_step.set_mixer(model, mixer)  # With gradient accumulation, the whole batch is mixed, then split.
+    model.batch_mixer = mixer  # With gradient accumulation, the whole batch is mixed, then split.
     return mixer
 

@@ -39,6 +39,7 @@ from keras_vit.layers.common import register
 from keras_vit.layers.quantization import Int8Kernels
 from keras_vit.resnet import ResNetStem
 from keras_vit.spec import CLASSIFIERS, POSITION_EMBEDDINGS, ViTSpec, pixel_statistics
+from keras_vit.train_step import TrainingSteps
 
 __all__ = ["CLASSIFIERS", "POSITION_EMBEDDINGS", "ViT", "build_vit"]
 
@@ -172,7 +173,7 @@ def build_vit(
 
 
 @register
-class ViT(keras.Model):
+class ViT(TrainingSteps, keras.Model):
     """The Vision Transformer: a functional Keras model made from a `keras_vit.ViTSpec`.
 
     Takes (batch, height, width, channels) raw pixels and returns float32
@@ -181,6 +182,8 @@ class ViT(keras.Model):
     with `model.save`, restored by `keras.models.load_model` with no
     `custom_objects` (once keras_vit is imported), with the frozen layers
     (`keras_vit.freeze_backbone`) and the dtype policy it was built with.
+    Its training step mixes batches (`batch_mixer`) and accumulates gradients
+    (`gradient_accumulation_steps`): see `keras_vit.TrainingSteps`.
 
     Args:
         spec: a `ViTSpec` (or its `to_config()` dict).

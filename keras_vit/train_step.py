@@ -1,47 +1,105 @@
-"""The training step `fit` runs: MixUp/CutMix first, then gradient accumulation, around the model's own step.
+"""The training step `fit` runs: MixUp/CutMix first, then gradient accumulation, around Keras' own step.
 
-Gradient accumulation (`enable_gradient_accumulation(model, steps)`) splits
-each training batch into `steps` micro-batches inside the compiled step,
-runs the model's own training step on each in turn (a loop: one micro-batch's
-activations in memory at a time), and applies the sum of their gradients
-(each of its loss divided by `steps`) once.  The optimizer, its schedule, its moving average and the step counter
-see one update per batch, as with the large batch; the data pipeline still
-delivers the large batch (its uint8 pixels are small beside the activations).
-Micro-batch `i` is examples `i, i + steps, i + 2 steps, ...` of the batch, so
-that under `keras.distribution` each device splits its own shard.
+`TrainingSteps` is a mixin for `keras.Model` subclasses; `keras_vit.ViT` derives from it.  Its
+`train_step` (the method Keras documents for changing what `fit` does) reads two settings of the model,
+`batch_mixer` and `gradient_accumulation_steps`, and with neither set is Keras' own step.  For a model of
+your own: `class MyModel(keras_vit.TrainingSteps, keras.Model)`.
 
-With equal micro-batches and a loss averaged over the batch (Keras' default
-reduction), that sum is the large batch's gradient: the update is the one the large batch makes, to float rounding.
-Clipping, weight decay, loss scaling (mixed float16) and, under a
-`tf.distribute` strategy, the cross-replica sum happen once, in that update:
-each replica accumulates its own share and the gradients are summed across
-replicas once per batch.  Metrics and the loss are averaged over every
-micro-batch.  Dropout and stochastic depth draw anew for each micro-batch.
+Gradient accumulation (`gradient_accumulation_steps = steps`) splits each training batch into `steps`
+micro-batches inside the compiled step, runs the forward and backward pass on each in turn (a loop: one
+micro-batch's activations in memory at a time), and applies the sum of their gradients (each of its loss
+divided by `steps`) once.  The optimizer, its schedule, its moving average and the step counter see one
+update per batch, as with the large batch; the data pipeline still delivers the large batch (its uint8
+pixels are small beside the activations).  Micro-batch `i` is examples `i, i + steps, i + 2 steps, ...` of
+the batch, so that under `keras.distribution` each device splits its own shard.
 
-Keras optimizers take `gradient_accumulation_steps` too, but they count
-every micro-batch as an optimizer call: under a multi-replica
-`tf.distribute` strategy they fail (the cross-replica sum sits inside a
+With equal micro-batches and a loss averaged over the batch (Keras' default reduction), that sum is the large
+batch's gradient: the update is the one the large batch makes, to float rounding.  Clipping, weight decay,
+loss scaling (mixed float16) and, under a `tf.distribute` strategy, the cross-replica sum happen once, in that
+update: each replica accumulates its own share and the gradients are summed across replicas once per batch.
+Metrics and the loss are averaged over every micro-batch.  Dropout and stochastic depth draw anew for each
+micro-batch.  The micro-batch step is Keras' own, written with its public `compute_loss`,
+`compute_loss_and_updates` (JAX), `optimizer.scale_loss` and `compute_metrics`; the loss's running mean is
+updated through `keras_vit.compat`.
+
+Keras optimizers take `gradient_accumulation_steps` too, but they count every micro-batch as an optimizer
+call: under a multi-replica `tf.distribute` strategy they fail (the cross-replica sum sits inside a
 conditional), and their moving average moves at every micro-batch.
 
-MixUp/CutMix (`keras_vit.enable_batch_mixing`) mixes the whole batch before
-it is split, with one draw per batch, as with the large batch.
-
-The model's own step is reused, traced once per micro-batch loop: the loss it
-hands to `optimizer.scale_loss` is divided by `steps` (so the micro-batch
-gradients sum to the large batch's, and a float16 backward pass sees the
-large batch's magnitudes: it overflows, and the loss scale drops, where the
-large batch's would), and its gradients are caught where it hands them to
-the optimizer (`optimizer.apply_gradients` on TensorFlow,
-`optimizer.stateless_apply` on JAX).
+MixUp/CutMix (`batch_mixer`, a `keras_vit.BatchMixer`) mixes the whole batch before it is split, with one
+draw per batch, as with the large batch.
 """
 
 import keras
 from keras import ops
 
-# The model attributes that hold what the step does; `install` composes them.
-_MIXER = "_keras_vit_mixer"
-_ACCUMULATION = "_keras_vit_accumulation_steps"
+from keras_vit import compat
+
 _BACKENDS = ("tensorflow", "jax")
+
+
+class TrainingSteps:
+    """Mixin for `keras.Model` subclasses: `fit`'s step with batch mixing and gradient accumulation.
+
+    Put it before the Keras base class: `class MyModel(keras_vit.TrainingSteps, keras.Model)`.  The two
+    settings are the model's, not saved with it (a reloaded model trains plainly until they are set again);
+    setting one makes the next `fit` trace its step anew.
+    """
+
+    _batch_mixer = None
+    _gradient_accumulation_steps = 1
+
+    @property
+    def batch_mixer(self):
+        """The `keras_vit.BatchMixer` that mixes each training batch first, or None."""
+        return self._batch_mixer
+
+    @batch_mixer.setter
+    def batch_mixer(self, mixer):
+        if mixer is not None and not callable(getattr(mixer, "mix_training_batch", None)):
+            raise ValueError(f"`batch_mixer` must be a keras_vit.BatchMixer or None. Received: {mixer!r}")
+        self._batch_mixer = mixer
+        self.train_function = None  # A step traced by an earlier `fit` is traced again.
+
+    @property
+    def gradient_accumulation_steps(self):
+        """Micro-batches per training batch (1: none)."""
+        return self._gradient_accumulation_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps):
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"`steps` must be an integer >= 1. Received: steps={steps!r}")
+        if steps > 1 and keras.backend.backend() not in _BACKENDS:
+            raise ValueError(
+                "Gradient accumulation runs on the TensorFlow and JAX backends; this is "
+                f"{keras.backend.backend()!r}."
+            )
+        self._gradient_accumulation_steps = steps
+        self.train_function = None
+
+    def train_step(self, *args):
+        """Keras' training step (`(data)`; on JAX `(state, data)`) with the batch mixed and accumulated."""
+        jax = keras.backend.backend() == "jax"
+        state, data = args if jax else (None, args[0])
+        mixer = self._batch_mixer
+        if mixer is not None and mixer.enabled:
+            data = mixer.mix_training_batch(self, data, state)
+        steps = self._gradient_accumulation_steps
+        if steps == 1:
+            return super().train_step(*args[:-1], data)
+        return _jax_accumulated(self, state, data, steps) if jax else _tf_accumulated(self, data, steps)
+
+
+def require_training_steps(model, what):
+    """Raises ValueError unless `model`'s class derives from `TrainingSteps`."""
+    if not isinstance(model, TrainingSteps):
+        raise ValueError(
+            f"{what} needs a model whose class derives from keras_vit.TrainingSteps, as keras_vit.ViT does "
+            "(build_vit, from_pretrained and their saved files). Received a "
+            f"{type(model).__module__}.{type(model).__name__}. For a model of your own, derive its class: "
+            "`class MyModel(keras_vit.TrainingSteps, keras.Model)`."
+        )
 
 
 def enable_gradient_accumulation(model, steps):
@@ -50,49 +108,15 @@ def enable_gradient_accumulation(model, steps):
     Call it before or after `compile`, in or out of a strategy's scope; the
     next `fit` uses it.  `steps=1` turns it off.  The batch (under a
     `tf.distribute` strategy, each replica's share) must be a multiple of
-    `steps`.  TensorFlow and JAX backends.
+    `steps`.  TensorFlow and JAX backends.  The same as setting
+    `model.gradient_accumulation_steps`.
 
     Args:
-        model: a Keras model.
+        model: a `keras_vit.ViT` (or a model whose class derives from `keras_vit.TrainingSteps`).
         steps: micro-batches per batch, an integer >= 1.
     """
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"`steps` must be an integer >= 1. Received: steps={steps!r}")
-    if steps > 1 and keras.backend.backend() not in _BACKENDS:
-        raise ValueError(
-            f"Gradient accumulation runs on the TensorFlow and JAX backends; this is {keras.backend.backend()!r}."
-        )
-    setattr(model, _ACCUMULATION, steps)
-    install(model)
-
-
-def set_mixer(model, mixer):
-    """Makes `model.fit` mix each batch with `mixer` (a `keras_vit.BatchMixer`) before anything else."""
-    setattr(model, _MIXER, mixer)
-    install(model)
-
-
-def install(model):
-    """Sets `model.train_step` to what `enable_batch_mixing` and `enable_gradient_accumulation` asked for."""
-    if keras.backend.backend() == "jax" and keras.config.is_nnx_enabled():
-        raise ValueError(
-            "keras_vit's training steps (batch mixing, gradient accumulation) do not support Keras' Flax NNX "
-            "mode, whose `fit` calls the class's train_step, not the model's."
-        )
-    jax = keras.backend.backend() == "jax"
-    step = type(model).train_step  # The class's: installing twice does not wrap twice.
-    steps = vars(model).get(_ACCUMULATION, 1)
-    if steps > 1:
-        step = _jax_accumulating(step, steps) if jax else _tf_accumulating(step, steps)
-    mixer = vars(model).get(_MIXER)
-    if mixer is not None and mixer.enabled:
-        step = mixer.training_step(step, jax=jax)
-    if "train_step" in vars(model):
-        del model.train_step
-    if step is not type(model).train_step:
-        model.train_step = lambda *args: step(model, *args)
-    # A step already built (by an earlier `fit`) is rebuilt with the new one.
-    model.train_function = None
+    require_training_steps(model, "Gradient accumulation")
+    model.gradient_accumulation_steps = steps
 
 
 def micro_batch(data, steps, index):
@@ -111,100 +135,73 @@ def micro_batch(data, steps, index):
     return keras.tree.map_structure(take, data)
 
 
-def _caught(optimizer, steps, name, catch, run):
-    """Runs `run()` (the model's step, being traced) with `optimizer.<name>` replaced by `catch` and
-    `optimizer.scale_loss` dividing the loss by `steps` first; the optimizer is as it was after."""
-    before = {key: vars(optimizer)[key] for key in (name, "scale_loss") if key in vars(optimizer)}
-    scale_loss = optimizer.scale_loss
-    optimizer.scale_loss = lambda loss: scale_loss(ops.divide(loss, steps))
-    setattr(optimizer, name, catch)
-    try:
-        return run()
-    finally:
-        for key in (name, "scale_loss"):
-            if key in before:
-                setattr(optimizer, key, before[key])
-            else:
-                delattr(optimizer, key)
-
-
-def _one_call(gradients, name):
-    if len(gradients) != 1:
-        raise RuntimeError(
-            f"Gradient accumulation expected the model's train_step to call optimizer.{name} once; it was "
-            f"called {len(gradients)} times."
-        )
-    return gradients[0]
-
-
-def _tf_accumulating(model_step, steps):
+def _tf_accumulated(model, data, steps):
     import tensorflow as tf
 
     def dense(gradient):  # An embedding's sparse gradient (IndexedSlices) is summed as a tensor.
         return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
 
-    def step(model, data):
-        optimizer, variables = model.optimizer, model.trainable_weights
+    optimizer, variables = model.optimizer, model.trainable_weights
 
-        def micro_step(index):
-            gradients = []
-            logs = _caught(
-                optimizer, steps, "apply_gradients", lambda pairs: gradients.append([dense(g) for g, _ in pairs]),
-                lambda: model_step(model, micro_batch(data, steps, index)),
-            )
-            return _one_call(gradients, "apply_gradients"), logs
+    def micro_step(index):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro_batch(data, steps, index))
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            compat.track_loss(model, loss, x)
+            scaled = optimizer.scale_loss(ops.divide(loss, steps))
+        gradients = [dense(g) for g in tape.gradient(scaled, variables)]
+        return gradients, model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-        first, logs = micro_step(0)
-        present = [i for i, g in enumerate(first) if g is not None]
+    first, logs = micro_step(0)
+    present = [i for i, g in enumerate(first) if g is not None]
 
-        def body(index, total, logs):
-            gradients, logs = micro_step(index)
-            return index + 1, [t + gradients[i] for t, i in zip(total, present)], logs
+    def body(index, total, logs):
+        gradients, logs = micro_step(index)
+        return index + 1, [t + gradients[i] for t, i in zip(total, present)], logs
 
-        # One micro-batch after the other (parallel_iterations=1): one micro-batch's activations at a time.
-        _, total, logs = tf.while_loop(
-            lambda index, *_: index < steps, body, (tf.constant(1), [first[i] for i in present], logs),
-            parallel_iterations=1,
-        )
-        gradients = [None] * len(first)
-        for i, t in zip(present, total):
-            gradients[i] = t
-        optimizer.apply_gradients(zip(gradients, variables))
-        return logs
-
-    return step
+    # One micro-batch after the other (parallel_iterations=1): one micro-batch's activations at a time.
+    _, total, logs = tf.while_loop(
+        lambda index, *_: index < steps, body, (tf.constant(1), [first[i] for i in present], logs),
+        parallel_iterations=1,
+    )
+    gradients = [None] * len(first)
+    for i, t in zip(present, total):
+        gradients[i] = t
+    optimizer.apply_gradients(zip(gradients, variables))
+    return logs
 
 
-def _jax_accumulating(model_step, steps):
+def _jax_accumulated(model, state, data, steps):
     import jax
 
-    def step(model, state, data):
-        optimizer = model.optimizer
+    trainable, non_trainable, optimizer_variables, metrics_variables = state
 
-        def micro_step(state, index):
-            gradients = []
+    def loss(*args, **kwargs):  # The loss Keras differentiates (scaled for float16), divided by `steps`.
+        value, aux = model.compute_loss_and_updates(*args, **kwargs)
+        return value / steps, aux
 
-            def catch(optimizer_variables, grads, trainable_variables):
-                gradients.append(grads)
-                return trainable_variables, optimizer_variables
+    gradient_function = jax.value_and_grad(loss, has_aux=True)
 
-            logs, state = _caught(
-                optimizer, steps, "stateless_apply", catch,
-                lambda: model_step(model, state, micro_batch(data, steps, index)),
-            )
-            return _one_call(gradients, "stateless_apply"), logs, state
+    def micro_step(index, non_trainable, metrics_variables):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro_batch(data, steps, index))
+        (_, aux), gradients = gradient_function(
+            trainable, non_trainable, metrics_variables, x, y, sample_weight,
+            training=True, optimizer_variables=optimizer_variables,
+        )
+        unscaled_loss, y_pred, non_trainable, metrics_variables = aux
+        logs, metrics_variables = compat.update_metrics_stateless(
+            model, metrics_variables, unscaled_loss, x, y, y_pred, sample_weight
+        )
+        return gradients, logs, non_trainable, metrics_variables
 
-        first, logs, state = micro_step(state, 0)
+    first = micro_step(0, non_trainable, metrics_variables)
 
-        def body(index, carry):
-            total, _, state = carry
-            gradients, logs, state = micro_step(state, index)
-            return jax.tree.map(lambda t, g: t + g, total, gradients), logs, state
+    def body(index, carry):
+        gradients, logs, non_trainable, metrics_variables = micro_step(index, *carry[2:])
+        return jax.tree.map(lambda t, g: t + g, carry[0], gradients), logs, non_trainable, metrics_variables
 
-        # lax.fori_loop runs the micro-batches one after the other.
-        total, logs, state = jax.lax.fori_loop(1, steps, body, (first, logs, state))
-        trainable, non_trainable, optimizer_variables, metrics = state
-        trainable, optimizer_variables = optimizer.stateless_apply(optimizer_variables, total, trainable)
-        return logs, (trainable, non_trainable, optimizer_variables, metrics)
-
-    return step
+    # lax.fori_loop runs the micro-batches one after the other.
+    total, logs, non_trainable, metrics_variables = jax.lax.fori_loop(1, steps, body, first)
+    trainable, optimizer_variables = model.optimizer.stateless_apply(optimizer_variables, total, trainable)
+    return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)

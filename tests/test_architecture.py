@@ -276,3 +276,79 @@ def test_tests_that_share_a_fixture_run_on_one_worker(tmp_path):
     tests = [line for line in lines if line.startswith("test")]
     assert len(jobs) == 1 and len(tests) == 2, lines
     assert {line.split()[1] for line in tests} == {jobs[0].split()[1]}, lines
+
+
+def keras_method_names():
+    """The names of the methods of Keras' models and optimizers (properties and data excluded)."""
+    import inspect
+
+    import keras
+
+    names = set()
+    for cls in (keras.Model, keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer):
+        for name in dir(cls):
+            static = inspect.getattr_static(cls, name, None)
+            if inspect.isfunction(static) or isinstance(static, (classmethod, staticmethod)):
+                names.add(name)
+    return names
+
+
+def method_assignments(path, methods):
+    """[(line, text)] where the code at `path` assigns, deletes or `setattr`s an attribute named as one of
+    `methods`, on any object: a model's or optimizer's method replaced at run time."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        while targets:
+            target = targets.pop()
+            if isinstance(target, (ast.Tuple, ast.List)):
+                targets.extend(target.elts)
+            elif isinstance(target, ast.Starred):
+                targets.append(target.value)
+            elif isinstance(target, ast.Attribute) and target.attr in methods:
+                found.append((node.lineno, ast.unparse(target)))
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("setattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in methods
+        ):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_method_assignment_is_found(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text(
+        "model.train_step = lambda data: data\n"
+        "setattr(optimizer, 'apply_gradients', catch)\n"
+        "del model.train_step\n"
+        "Trainer.fit, x = fit, 1\n"
+        "model.train_function = None\n"  # Keras' cache of the traced step: an attribute, not a method.
+        "layer.trainable = False\n"  # A property.
+        "setattr(self, name, kernel)\n"
+        "model.get_layer('head').trainable = False\n"
+    )
+    found = method_assignments(path, keras_method_names())
+    assert sorted(line for line, _ in found) == [1, 2, 3, 4], found
+
+
+def test_no_method_of_a_model_or_optimizer_is_replaced_outside_compat():
+    """Training behaviour goes through Keras' documented hooks (`train_step` and the other methods a subclass
+    overrides); what must patch Keras lives in keras_vit.compat with its canary."""
+    methods = keras_method_names()
+    assert {"train_step", "apply_gradients", "scale_loss", "stateless_apply", "fit"} <= methods
+    found = [
+        f"{path.relative_to(ROOT_PATH)}:{line}: {text}"
+        for module, path in module_files().items()
+        # The configs are ConfigDicts, whose fields (`config.export`) may share a method's name.
+        if not module.startswith(("keras_vit.compat", "experiments.configs"))
+        for line, text in method_assignments(path, methods)
+    ]
+    assert not found, "methods of models or optimizers replaced at run time:\n" + "\n".join(found)

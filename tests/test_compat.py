@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 from keras_vit import compat, requirements
+from keras_vit.compat import multi_worker, optimizers, probes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -45,6 +46,7 @@ def test_the_private_apis_each_entry_relies_on_exist(entry):
 
 
 def test_every_entry_is_in_the_table_and_names_its_versions():
+    assert sorted(compat.ENTRIES) == sorted(compat.CHECKS)  # Each entry has its check, and is listed.
     for entry in compat.ENTRIES:
         assert f"`{entry}" in compat.__doc__, entry
         assert f"TensorFlow {compat.WRITTEN_FOR['tensorflow']}" in getattr(compat, entry).__doc__, entry
@@ -180,9 +182,9 @@ def test_grappler_rewrites_the_batch_norm_layer_norm_into_onednn_layer_norm():
 
 
 def test_a_changed_private_api_raises_naming_it_and_the_versions(monkeypatch):
-    monkeypatch.setattr(compat, "_TRAINER_ORIGINALS", {})  # As if not patched yet in this process.
+    monkeypatch.setattr(multi_worker, "_TRAINER_ORIGINALS", {})  # As if not patched yet in this process.
     monkeypatch.setitem(
-        compat._TRAINER_FUNCTIONS, "TensorFlowTrainer._no_such_method", (("self",), True)
+        multi_worker._TRAINER_FUNCTIONS, "TensorFlowTrainer._no_such_method", (("self",), True)
     )
     with pytest.raises(compat.PrivateApiError) as raised:
         compat.patch_keras_for_multi_worker_fit()
@@ -197,18 +199,18 @@ def test_a_changed_private_api_raises_naming_it_and_the_versions(monkeypatch):
 def test_clip_after_all_reduce_checks_its_private_apis_under_several_replicas(monkeypatch):
     from keras_vit import training
 
-    monkeypatch.setitem(compat._OPTIMIZER_METHODS, "_no_such_method", ("self",))
+    monkeypatch.setitem(optimizers._OPTIMIZER_METHODS, "_no_such_method", ("self",))
     # One replica: the mixin only hands over to Keras, so nothing it relies on is checked.
     assert isinstance(training.SGD(0.1), training.SGD)
-    monkeypatch.setattr(compat, "_multi_replica_strategy", lambda: True)
+    monkeypatch.setattr(optimizers, "_multi_replica_strategy", lambda: True)
     with pytest.raises(compat.PrivateApiError, match=r"ClipAfterAllReduce .*_no_such_method does not exist"):
         training.SGD(0.1, global_clipnorm=1.0)
 
 
 def test_the_probes_answer_false_when_their_api_is_missing(monkeypatch):
     """Only the two fast-path probes fall back, to the plain path; their canaries above still fail then."""
-    monkeypatch.setattr(compat, "_MKL_PORT", ("tensorflow", "NoSuchProbe"))
-    monkeypatch.setattr(compat, "_XLA_CONTEXT", ("tensorflow", "NoSuchProbe"))
+    monkeypatch.setattr(probes, "_MKL_PORT", ("tensorflow", "NoSuchProbe"))
+    monkeypatch.setattr(probes, "_XLA_CONTEXT", ("tensorflow", "NoSuchProbe"))
     seen = []
     tf.function(lambda x: seen.append(compat.in_xla_context()) or x, jit_compile=True)(tf.ones([1]))
     assert seen == [False]

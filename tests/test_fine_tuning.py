@@ -98,15 +98,22 @@ def test_accumulation_refuses_what_it_cannot_split():
     for steps in (0, 1.5, True):
         with pytest.raises(ValueError, match=r"`steps` must be an integer >= 1"):
             keras_vit.enable_gradient_accumulation(model, steps)
-    keras_vit.enable_gradient_accumulation(model, 1)  # Off again: the class's own step.
-    assert "train_step" not in vars(model)
+    keras_vit.enable_gradient_accumulation(model, 1)  # Off again: Keras' own step.
+    assert model.gradient_accumulation_steps == 1 and "train_step" not in vars(model)
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match=r"Gradient accumulation needs .*keras_vit.TrainingSteps.*Received a keras"):
+        keras_vit.enable_gradient_accumulation(plain, 2)
+
+
+class AccumulatingSequential(keras_vit.TrainingSteps, keras.Sequential):
+    """A Sequential model with keras_vit's training step (a user's own model)."""
 
 
 def test_accumulation_sums_an_embeddings_sparse_gradients():
     def embedding_model(steps):
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 4),
-                                  keras.layers.Flatten(), keras.layers.Dense(2)])  # fmt: skip
+        model = AccumulatingSequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 4),
+                                        keras.layers.Flatten(), keras.layers.Dense(2)])  # fmt: skip
         model.compile(keras.optimizers.SGD(0.1), keras.losses.MeanSquaredError(), jit_compile=False)
         keras_vit.enable_gradient_accumulation(model, steps)
         return model
@@ -241,8 +248,9 @@ def test_layer_decay_survives_save_and_load(tmp_path):
 
 def test_layer_decay_checks_the_private_apis_it_relies_on(monkeypatch):
     from keras_vit import compat
+    from keras_vit.compat import optimizers
 
-    monkeypatch.setitem(compat._SCALE_METHODS, "_no_such_method", ("self",))
+    monkeypatch.setitem(optimizers._SCALE_METHODS, "_no_such_method", ("self",))
     assert training.AdamW(1e-3).learning_rate_scales == {}  # Without scales: Keras' own optimizer.
     with pytest.raises(compat.PrivateApiError, match=r"LearningRateScales .*_no_such_method does not exist"):
         training.AdamW(1e-3, learning_rate_scales={"head/kernel": 0.5})

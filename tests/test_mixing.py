@@ -142,7 +142,10 @@ def test_invalid_arguments():
     ]:
         with pytest.raises(ValueError, match=match):
             mixing.enable_batch_mixing(model, **kwargs)
-    assert "train_step" not in vars(model)
+    assert model.batch_mixer is None
+    plain = keras.Sequential([keras.Input((6, 5, 3)), keras.layers.Flatten(), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match=r"Batch mixing needs a model whose class derives from keras_vit.Training"):
+        mixing.enable_batch_mixing(plain, mixup_alpha=0.8)
     mixer = mixing.BatchMixer(mixup_alpha=1.0, seed=0)
     images, labels = one_hot_pixels(np.array([0, 1]), 2)
     with pytest.raises(ValueError, match="one-hot labels"):
@@ -181,7 +184,20 @@ def consistency_model(num_classes=4):
     images = keras.Input((6, 5, num_classes))
     pixels = keras.layers.Rescaling(1 / 255)(keras.layers.GlobalAveragePooling2D()(images))
     correction = keras.layers.Dense(num_classes, kernel_initializer="zeros")(pixels)
-    return keras.Model(images, keras.layers.Add()([pixels, correction]))
+    return RecordingModel(images, keras.layers.Add()([pixels, correction]))
+
+
+class RecordingModel(keras_vit.TrainingSteps, keras.Model):
+    """A model of the user's own with keras_vit's training step; it records the dtype of the images that
+    enter the compiled step (when the step is traced)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.input_dtypes = []
+
+    def train_step(self, *args):
+        self.input_dtypes.append(keras.backend.standardize_dtype(keras.tree.flatten(args[-1])[0].dtype))
+        return super().train_step(*args)
 
 
 def expected_label_max(seed, steps, groups=1, jit_compile=True, **alphas):
@@ -233,18 +249,11 @@ def fit_check(data=tf_data, strategy_scope=None, groups=1, jit_compile=True, ste
         model.compile(
             optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=[label_max], jit_compile=jit_compile
         )
-    mixing_step, seen = model.train_step, []
-
-    def recording_step(*args):  # What enters the compiled step, recorded when it is traced.
-        seen.append(keras.backend.standardize_dtype(args[-1][0].dtype))
-        return mixing_step(*args)
-
-    model.train_step = recording_step
     history = model.fit(**data(images, labels), epochs=steps, verbose=0).history
     evaluate_data = {key: value for key, value in data(images, labels).items() if key != "shuffle"}
     evaluation = model.evaluate(**evaluate_data, verbose=0, return_dict=True)
     return {
-        "input_dtypes": sorted(set(seen)),
+        "input_dtypes": sorted(set(model.input_dtypes)),
         "loss": history["loss"],
         "label_max": history["label_max"],
         "expected": expected_label_max(4, steps, groups, jit_compile, mixup_alpha=0.8, cutmix_alpha=1.0),
@@ -341,7 +350,7 @@ def test_vit_fit_save_reload_predicts_the_same(tmp_path):
     model.save(tmp_path / "model.keras")
     for path in ("best.keras", "model.keras"):
         loaded = keras.saving.load_model(tmp_path / path)
-        assert type(loaded) is type(model) and "train_step" not in vars(loaded)
+        assert type(loaded) is type(model) and loaded.batch_mixer is None
         assert [w.shape for w in loaded.weights] == [w.shape for w in model.weights]
     # model.keras (loaded last): the same weights through the same graph on the CPU, equal up to the last bit;
     # 1e-6 allowed.
