@@ -11,9 +11,11 @@ no download).  Image folders and TFDS sets are read and decoded on the fly
 distributed run, and an image that fails to decode is skipped and named, never
 fatal.
 
-Six modules, and `service` beside them; imports run `sources` -> `decode`,
-`header`, `decode` -> `header`, `augment` -> `decode`, `header`, `randaugment`,
-and `pipeline` -> `augment`, `decode`:
+Ten modules, and `service` beside them; imports run `decode` -> `header`,
+`image_source` -> `decode`, `header`, `digits` -> `image_source`, `folders`
+and `tfds` -> `decode`, `header`, `image_source`, `sources` -> `folders`,
+`tfds`, `augment` -> `decode`, `header`, `randaugment`, and
+`pipeline` -> `augment`, `decode`:
 
 - `header`: an encoded image's size read from its header before it is
   decoded and checked against `ImageLimits` (total pixels, aspect ratio), a
@@ -22,10 +24,17 @@ and `pipeline` -> `augment`, `decode`:
   with the failures skipped and named (`decode_skipping_failures`, and its
   graph-only parts `mark_failures`, `note_failures`, `carry_failures`;
   `DecodeFailures`);
-- `sources`: where examples come from: the digits in memory (`load_digits`,
-  `Split`, `Dataset`), folders and TFDS sets as an `ImageSource`
-  (`load_folder`, `load_tfds`, `load_image_source` for the names
-  "folder:PATH" and "tfds:NAME[:SPLIT]"), sharded by file per input pipeline;
+- `image_source`: what the loaders of encoded images return (`ImageSource`),
+  sharded by file per input pipeline (`input_pipelines`), and the check of
+  the held-out fractions every loader takes (`check_fraction`);
+- `digits`: the bundled digits in memory (`load_digits`, `Split`,
+  `Dataset`);
+- `folders`: image folders, one subfolder per class (`load_folder`,
+  `IMAGE_EXTENSIONS`);
+- `tfds`: prepared TFDS sets (`load_tfds`, and `load_tfds_evaluation` for
+  extra test sets);
+- `sources`: an image source by the name a job takes, "folder:PATH" or
+  "tfds:NAME[:SPLIT]" (`load_image_source`);
 - `randaugment`: RandAugment as published (Cubuk et al. 2019, the TPU
   reference implementation), one op computed per draw (`rand_augment`);
 - `augment`: one image at a time, in the graph: crops (a JPEG decoded inside
@@ -71,6 +80,8 @@ from keras_vit.data.decode import (
     note_failures,
     record_failures,
 )
+from keras_vit.data.digits import Dataset, Split, load_digits
+from keras_vit.data.folders import IMAGE_EXTENSIONS, load_folder
 from keras_vit.data.header import (
     EXPECTED_FORMATS,
     FORMATS,
@@ -85,19 +96,11 @@ from keras_vit.data.header import (
     gif_first_frame,
     image_format,
 )
+from keras_vit.data.image_source import ImageSource, check_fraction, input_pipelines
 from keras_vit.data.pipeline import image_pipeline, make_pipeline, training_pipeline
 from keras_vit.data.randaugment import RANDAUGMENT_OPS, apply_op, draw_ops, rand_augment
-from keras_vit.data.sources import (
-    IMAGE_EXTENSIONS,
-    Dataset,
-    ImageSource,
-    Split,
-    load_digits,
-    load_folder,
-    load_image_source,
-    load_tfds,
-    load_tfds_evaluation,
-)
+from keras_vit.data.sources import load_image_source
+from keras_vit.data.tfds import load_tfds, load_tfds_evaluation
 
 __all__ = [
     "EXPECTED_FORMATS",
@@ -119,6 +122,7 @@ __all__ = [
     "as_image_limits",
     "carry_failures",
     "center_crop_resize",
+    "check_fraction",
     "resize_and_crop",
     "check_image",
     "check_jpeg",
@@ -133,6 +137,7 @@ __all__ = [
     "image_format",
     "image_pipeline",
     "inception_crop",
+    "input_pipelines",
     "load_digits",
     "load_folder",
     "load_image_source",

@@ -117,7 +117,29 @@ def training_pipeline(
     if input_context is not None and input_context.num_input_pipelines > 1 and not data_service:
         what += f" read by input pipeline {pipeline_id} of {input_context.num_input_pipelines}"
     augment = randaugment_function(randaugment)
-    failures = source.skipped
+    transform = _decode_and_augment(source, (height, width), crop, flip, crop_area_range, augment)
+
+    def marked_passes(context, seed, report):
+        """Passes of (image, label) marked with the failures before each (`mark_failures`); `report` turns
+        the marked elements of the cache's one pass into (outputs, label)."""
+        encoded = _encoded_pass(source, context, seed, report, what, cache=cache, shuffle_buffer=shuffle_buffer)
+        return _seeded_and_marked(encoded, transform, seed)
+
+    if not data_service:
+        def noted(marked):
+            return note_failures(marked, source.skipped, what, source.reload, source.image_limits)
+
+        # Each pipeline draws its own crops.
+        ds = noted(marked_passes(input_context, seed + pipeline_id, noted)).repeat()
+        return _one_hot_batches(ds.batch(batch_size, drop_remainder=True), source.num_classes)
+    ds = _served_batches(marked_passes, what, batch_size, data_service, data_service_job)
+    return _one_hot_batches(_name_carried_failures(ds, source), source.num_classes)
+
+
+def _decode_and_augment(source, size, crop, flip, crop_area_range, augment):
+    """The function `mark_failures` maps over ((encoded bytes, image seed), is_end): one image of `source`
+    decoded (inside its Inception crop with `crop`), resized to `size`, flipped and augmented (`augment`: a
+    function of (image, seed), or None)."""
 
     def transform(inputs, is_end):
         encoded, image_seed = inputs
@@ -126,45 +148,51 @@ def training_pipeline(
             image = decode_and_crop(encoded, image_seed, crop_area_range, source.image_limits, messages=False)
         else:
             image = decode_image(encoded, source.image_limits, messages=False)
-        image = resize_flip(image, image_seed, (height, width), flip=flip)
+        image = resize_flip(image, image_seed, size, flip=flip)
         return augment(image, randaugment_seed(image_seed)) if augment else image
 
-    def marked_passes(context, seed, report):
-        """Passes of (image, label) marked with the failures before each (`mark_failures`); `report` turns
-        the marked elements of the cache's one pass into (outputs, label)."""
-        records, total = source.read("train", context, not cache, seed, shuffle_buffer)
-        if total < 1:
-            raise ValueError(f"No examples in {what}.")
-        if cache:
-            # The encoded bytes, read once and kept (their failures to read reported once), then shuffled.
-            def load(reference, is_end):
-                return load_or_end(source.load, reference, is_end), reference
+    return transform
 
-            loaded = report(mark_failures(records, load, tf.constant("")))
-            encoded = loaded.map(lambda outputs, label: (outputs[0], label, outputs[1])).cache()
-            encoded = encoded.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-        else:
-            encoded = records.map(lambda reference, label, name: (source.load(reference), label, name))
-        # One seed pair per image, new each pass.
-        seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
-        one_pass = tf.data.Dataset.zip((encoded, seeds)).map(
-            lambda record, image_seed: ((record[0], tf.cast(image_seed, tf.int32)), record[1], record[2])
-        )
-        return mark_failures(one_pass, transform, (tf.constant(""), tf.zeros([2], tf.int32)))
 
-    if not data_service:
-        def noted(marked):
-            return note_failures(marked, failures, what, source.reload, source.image_limits)
+def _encoded_pass(source, context, seed, report, what, *, cache, shuffle_buffer):
+    """One pass of (encoded bytes, label, name) over the training files of `source` that `context`'s input
+    pipeline reads: shuffled as read, or with `cache` read once (the failures to read turned by `report`
+    into (outputs, label)), kept, and shuffled in a buffer of `shuffle_buffer`."""
+    records, total = source.read("train", context, not cache, seed, shuffle_buffer)
+    if total < 1:
+        raise ValueError(f"No examples in {what}.")
+    if not cache:
+        return records.map(lambda reference, label, name: (source.load(reference), label, name))
 
-        # Each pipeline draws its own crops.
-        ds = noted(marked_passes(input_context, seed + pipeline_id, noted)).repeat()
-        return _one_hot_batches(ds.batch(batch_size, drop_remainder=True), source.num_classes)
+    # The encoded bytes, read once and kept (their failures to read reported once), then shuffled.
+    def load(reference, is_end):
+        return load_or_end(source.load, reference, is_end), reference
+
+    loaded = report(mark_failures(records, load, tf.constant("")))
+    encoded = loaded.map(lambda outputs, label: (outputs[0], label, outputs[1])).cache()
+    return encoded.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+
+
+def _seeded_and_marked(encoded, transform, seed):
+    """`transform` mapped over a pass of (encoded bytes, label, name), each image with a seed pair of its own
+    (new each pass), the failures marked (`mark_failures`)."""
+    seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True).batch(2)
+    one_pass = tf.data.Dataset.zip((encoded, seeds)).map(
+        lambda record, image_seed: ((record[0], tf.cast(image_seed, tf.int32)), record[1], record[2])
+    )
+    return mark_failures(one_pass, transform, (tf.constant(""), tf.zeros([2], tf.int32)))
+
+
+def _served_batches(marked_passes, what, batch_size, data_service, job_name):
+    """Batches of (images, labels, failures missed, their names) made on the tf.data service workers of the
+    dispatcher at `data_service`, in a job named after `job_name`.
+
+    Each worker runs the whole pipeline: every file, the random seeds drawn by the worker (`on_each_worker`:
+    fixed ones, or ones derived from a global seed, would give every worker the same stream), the failures
+    carried with the batches.
+    """
 
     def on_worker():
-        """The whole pipeline as a worker runs it: every file, the random seeds drawn by the worker
-        (`on_each_worker`: fixed ones, or ones derived from a global seed, would give every worker
-        the same stream), the failures carried with the batches."""
-
         def unreported(marked):  # Failures to read, on a worker: skipped, not named.
             marked = marked.filter(lambda outputs, label, missing, nothing_yet, names: label >= 0)
             return marked.map(lambda outputs, label, missing, nothing_yet, names: (outputs, label))
@@ -172,12 +200,17 @@ def training_pipeline(
         ds = carry_failures(marked_passes(None, None, unreported).repeat(), what)
         return ds.batch(batch_size, drop_remainder=True)
 
-    ds = distribute(on_each_worker(on_worker), data_service, job_name=data_service_job)
+    return distribute(on_each_worker(on_worker), data_service, job_name=job_name)
+
+
+def _name_carried_failures(ds, source):
+    """(images, labels) batches of the service's `ds`, the failures carried with them recorded and named in
+    `source.skipped` as they arrive."""
 
     def note(missing, names):
         for count, joined in zip(missing.numpy(), names.numpy()):
             if count:
-                record_failures(failures, count, joined, source.reload, source.image_limits)
+                record_failures(source.skipped, count, joined, source.reload, source.image_limits)
         return True
 
     def strip(images, labels, missing, names):
@@ -189,7 +222,7 @@ def training_pipeline(
         with tf.control_dependencies([noted]):
             return tf.identity(images), labels
 
-    return _one_hot_batches(ds.map(strip), source.num_classes)
+    return ds.map(strip)
 
 
 def image_pipeline(
