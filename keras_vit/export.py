@@ -90,6 +90,57 @@ def _outputs(logits, top_k, class_names):
     return outputs
 
 
+def _bytes_preprocessing(model, preprocessing, crop_fraction):
+    """The `Preprocessing` serving_bytes applies (None: a center crop of `crop_fraction`): `preprocessing`,
+    else the model's own unless `crop_fraction` is given; its crop checked against the model's fixed size."""
+    if preprocessing is not None and crop_fraction is not None:
+        raise ValueError("Pass `crop_fraction` or `preprocessing`, not both.")
+    if preprocessing is None and crop_fraction is None:
+        preprocessing = getattr(model, "preprocessing", None)
+    if preprocessing is not None:
+        height, width = preprocessing.image_size
+        if not _is_dynamic(model) and (height, width) != fixed_image_shape(model)[:2]:
+            raise ValueError(
+                f"The preprocessing crops {preprocessing.image_size}, the model takes {fixed_image_shape(model)[:2]}."
+            )
+    return preprocessing
+
+
+def _serving_labels(model, class_names, top_k):
+    """(class names or None, top k) the signatures return: the names given, else the model's, one per class;
+    `top_k` by default 5, or all classes if there are fewer."""
+    if class_names is None:
+        class_names = getattr(model, "class_names", None)
+    num_classes = model.output_shape[-1]
+    if class_names is not None:
+        class_names = [str(name) for name in class_names]
+        if len(class_names) != num_classes:
+            raise ValueError(
+                f"`class_names` has {len(class_names)} names, the model has {num_classes} classes."
+            )
+    if top_k is None:
+        top_k = min(5, num_classes)
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_classes:
+        raise ValueError(f"`top_k` must be an integer in [1, {num_classes}]. Received: top_k={top_k!r}")
+    return class_names, top_k
+
+
+def _bytes_decoder(limits, channels, preprocessing, size, crop_fraction):
+    """The function serving_bytes maps over the request: encoded bytes to a uint8 image of `size` and
+    `channels`, refused past `limits`, resized and cropped by `preprocessing` (or a center crop of
+    `crop_fraction`, 1.0 when None)."""
+
+    def decode(encoded):
+        image = decode_image(encoded, limits)
+        if channels == 1:
+            image = tf.cast(tf.round(tf.image.rgb_to_grayscale(tf.cast(image, tf.float32))), tf.uint8)
+        if preprocessing is not None:
+            return resize_and_crop(image, preprocessing)
+        return center_crop_resize(image, size, 1.0 if crop_fraction is None else crop_fraction)
+
+    return decode
+
+
 def export_saved_model(
     model,
     path,
@@ -133,43 +184,17 @@ def export_saved_model(
     if channels not in (1, 3):
         raise ValueError(f"Expected a model of RGB or grey-scale images (3 or 1 channels). Received: {channels}")
     limits = as_image_limits(image_limits)
-    if preprocessing is not None and crop_fraction is not None:
-        raise ValueError("Pass `crop_fraction` or `preprocessing`, not both.")
-    if preprocessing is None and crop_fraction is None:
-        preprocessing = getattr(model, "preprocessing", None)
+    preprocessing = _bytes_preprocessing(model, preprocessing, crop_fraction)
     if preprocessing is not None:
         height, width = preprocessing.image_size
-        if not _is_dynamic(model) and (height, width) != fixed_image_shape(model)[:2]:
-            raise ValueError(
-                f"The preprocessing crops {preprocessing.image_size}, the model takes {fixed_image_shape(model)[:2]}."
-            )
-    if class_names is None:
-        class_names = getattr(model, "class_names", None)
-    num_classes = model.output_shape[-1]
-    if class_names is not None:
-        class_names = [str(name) for name in class_names]
-        if len(class_names) != num_classes:
-            raise ValueError(
-                f"`class_names` has {len(class_names)} names, the model has {num_classes} classes."
-            )
-    if top_k is None:
-        top_k = min(5, num_classes)
-    if not isinstance(top_k, int) or not 1 <= top_k <= num_classes:
-        raise ValueError(f"`top_k` must be an integer in [1, {num_classes}]. Received: top_k={top_k!r}")
+    class_names, top_k = _serving_labels(model, class_names, top_k)
     path = _check_destination(path, overwrite)
+    decode = _bytes_decoder(limits, channels, preprocessing, (height, width), crop_fraction)
 
     def serve_images(images):
         return _outputs(model(tf.cast(images, tf.float32), training=False), top_k, class_names)
 
     def serve_bytes(encoded):
-        def decode(encoded):
-            image = decode_image(encoded, limits)
-            if channels == 1:
-                image = tf.cast(tf.round(tf.image.rgb_to_grayscale(tf.cast(image, tf.float32))), tf.uint8)
-            if preprocessing is not None:
-                return resize_and_crop(image, preprocessing)
-            return center_crop_resize(image, (height, width), 1.0 if crop_fraction is None else crop_fraction)
-
         images = tf.map_fn(
             decode,
             encoded,

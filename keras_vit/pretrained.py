@@ -404,41 +404,12 @@ def from_pretrained(name_or_path, *, image_size=None, num_classes="file", class_
         nothing fits; `CheckpointError` for arrays that do not make a ViT
         of this library (naming the file's keys).
     """
-    unknown = sorted(set(build_options) - set(BUILD_OPTIONS))
-    if unknown:
-        raise ValueError(
-            f"from_pretrained reads the architecture from the files; {unknown} cannot be set. Options: "
-            f"image_size, num_classes, class_names, interpolation, num_heads, cache_dir, {', '.join(BUILD_OPTIONS)}."
-        )
+    _check_build_options(build_options)
     layout, weights_path, config, preprocessor, label = _resolve(name_or_path, cache_dir)
-    dynamic = False
-    if layout == "timm":
-        heads, options, preprocessing, names, pool, dynamic = _timm_options(config, label)
-    elif layout == "transformers":
-        (heads, options, preprocessing, names), pool = _transformers_options(config, preprocessor, label), "token"
-    else:
-        heads, options, names, pool = None, {"gelu": "tanh"}, None, None
-        preprocessing = None
-    heads = num_heads or heads
-    # Read once, with room for the arrays of any float type; an .npz declaring more is refused unread.
-    raw = read_checkpoint(weights_path, max_bytes=8 * _gfile().stat(weights_path).length + 2**20)
-    torch_layout = timm.MARKER in raw or transformers.is_transformers(raw)
-    if torch_layout and heads is None:
-        raise PretrainedError(
-            f"{label!r}: the number of attention heads is in no config (timm architecture "
-            f"{(config or {}).get('architecture')!r}); pass num_heads=."
-        )
-    params, _, _, _ = model_io.to_original_layout(raw, heads or 1)
-    if torch_layout and POSEMB not in params:
-        raise PretrainedError(f"{label!r} has no position embeddings (timm's 'pos_embed'): not a ViT built here.")
+    heads, options, preprocessing, names, pool, dynamic = _layout_options(layout, config, preprocessor, label)
+    raw, params = _read_weights(weights_path, num_heads or heads, config, label)
     arguments = _architecture(params)
-    if pool is not None:
-        expected = {"token": "token", "avg": "gap", "map": "map"}.get(pool)
-        if expected != arguments["classifier"]:
-            raise PretrainedError(
-                f"{label!r}: global_pool={pool!r} with the arrays of a classifier={arguments['classifier']!r} model; "
-                "read: 'token' (with a class token), 'avg' (without one), 'map' (a MAP head)."
-            )
+    _check_pool(pool, arguments["classifier"], label)
     own_size = options.pop("image_size", None) or _size_from_grid(params, arguments, label)
     if image_size == "dynamic":
         dynamic, image_size = True, None
@@ -468,6 +439,55 @@ def from_pretrained(name_or_path, *, image_size=None, num_classes="file", class_
     new_head = (num_classes or None) != file_classes
     model_io.load_params(model, raw, interpolation=interpolation, skip_mismatched_head=new_head, label=label)
     return model
+
+
+def _check_build_options(build_options):
+    """A ValueError naming the options of `build_options` that the files decide, not the caller."""
+    unknown = sorted(set(build_options) - set(BUILD_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"from_pretrained reads the architecture from the files; {unknown} cannot be set. Options: "
+            f"image_size, num_classes, class_names, interpolation, num_heads, cache_dir, {', '.join(BUILD_OPTIONS)}."
+        )
+
+
+def _layout_options(layout, config, preprocessor, label):
+    """(num_heads, build options, preprocessing arguments, class names, global pool, dynamic size) from the
+    configs of `layout`; for the original checkpoints, which have none, the tanh GELU they were trained with
+    and nothing else."""
+    if layout == "timm":
+        return _timm_options(config, label)
+    if layout == "transformers":
+        return (*_transformers_options(config, preprocessor, label), "token", False)
+    return None, {"gelu": "tanh"}, None, None, None, False
+
+
+def _read_weights(weights_path, heads, config, label):
+    """(the file's arrays, the same in the original layout): read once, with room for the arrays of any float
+    type (an .npz declaring more is refused unread); `heads` splits a timm or transformers file's attention."""
+    raw = read_checkpoint(weights_path, max_bytes=8 * _gfile().stat(weights_path).length + 2**20)
+    torch_layout = timm.MARKER in raw or transformers.is_transformers(raw)
+    if torch_layout and heads is None:
+        raise PretrainedError(
+            f"{label!r}: the number of attention heads is in no config (timm architecture "
+            f"{(config or {}).get('architecture')!r}); pass num_heads=."
+        )
+    params, _, _, _ = model_io.to_original_layout(raw, heads or 1)
+    if torch_layout and POSEMB not in params:
+        raise PretrainedError(f"{label!r} has no position embeddings (timm's 'pos_embed'): not a ViT built here.")
+    return raw, params
+
+
+def _check_pool(pool, classifier, label):
+    """A PretrainedError when the config's global pool (None: no config) is not the arrays' `classifier`."""
+    if pool is None:
+        return
+    expected = {"token": "token", "avg": "gap", "map": "map"}.get(pool)
+    if expected != classifier:
+        raise PretrainedError(
+            f"{label!r}: global_pool={pool!r} with the arrays of a classifier={classifier!r} model; "
+            "read: 'token' (with a class token), 'avg' (without one), 'map' (a MAP head)."
+        )
 
 
 def _size_from_grid(params, arguments, label):

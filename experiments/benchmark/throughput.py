@@ -5,6 +5,7 @@ machine's state; the matmul peak at the same precision is timed in the same
 process before and after the repetitions (see `timing`).
 """
 
+import dataclasses
 import os
 import statistics
 import time
@@ -83,6 +84,133 @@ def keras_contender(model, mode, images, labels, batch_size, jit_compile):
     return run
 
 
+@dataclasses.dataclass
+class Contenders:
+    """The implementations one benchmark times, in the order they take turns.
+
+    `runs`: name -> (steps -> seconds, parameter count); `peer_names`: peer -> the names of its forms;
+    `workers`: the peers' processes, closed after the timing; `ours`, `unquantized` and `float32`: the names
+    of our model and of the baselines it is compared with (None when not measured).
+    """
+
+    mode: str
+    images: np.ndarray
+    labels: np.ndarray
+    batch_size: int
+    peer_names: dict
+    runs: dict = dataclasses.field(default_factory=dict)
+    workers: list = dataclasses.field(default_factory=list)
+    ours: str = ""
+    unquantized: str | None = None
+    float32: str | None = None
+
+    def add_keras(self, label, model, jit_compile):
+        """Adds a Keras model's `predict` or `fit` under "LABEL (XLA | no XLA)"; returns that name."""
+        name = f"{label} ({'XLA' if jit_compile else 'no XLA'})"
+        run = keras_contender(model, self.mode, self.images, self.labels, self.batch_size, jit_compile)
+        self.runs[name] = (run, model.count_params())
+        return name
+
+    def close(self):
+        for worker in self.workers:
+            worker.close()
+
+
+def add_ours(contenders, variant, image_size, precision, jit, jit_compile, quantize, float32_row):
+    """Adds our model, and the baselines of its speed-ups: the same weights unquantized (with `quantize`) and
+    our float32 model (with a 16-bit `precision` and `float32_row`)."""
+    ours = keras_vit.build_vit(variant, image_size=image_size, num_classes=NUM_CLASSES)
+    if quantize:  # The same weights unquantized, then quantized: the quantization's speed-up.
+        unquantized = keras_vit.build_vit(variant, image_size=image_size, num_classes=NUM_CLASSES)
+        unquantized.set_weights(ours.get_weights())
+        contenders.unquantized = contenders.add_keras("keras_vit unquantized", unquantized, jit_compile)
+        ours.quantize(quantize)
+    contenders.ours = contenders.add_keras(f"keras_vit {quantize}" if quantize else "keras_vit", ours, jit_compile)
+    if float32_row and precision != "float32":  # Our own float32 model, for the speed-up of the 16-bit policy.
+        keras.mixed_precision.set_dtype_policy("float32")
+        ours32 = keras_vit.build_vit(variant, image_size=image_size, num_classes=NUM_CLASSES)
+        keras.mixed_precision.set_dtype_policy(precision)
+        jit32 = keras_vit.training.resolve_jit_compile(jit, "float32", training=contenders.mode == "train")
+        contenders.float32 = contenders.add_keras("keras_vit float32", ours32, jit32)
+
+
+def add_peers(contenders, config, image_size, precision, compare, timm_python, accelerator):
+    """Adds the peers named in `compare`: keras-hub's ViT (with and without XLA on TensorFlow) and timm's,
+    eager and compiled, each in a worker process."""
+    if "keras_hub" in compare:
+        # Without XLA is TensorFlow's graph mode; the JAX backend always compiles.
+        for hub_jit in (False, True) if keras.backend.backend() == "tensorflow" else (True,):
+            hub = peers.keras_hub_model(config, image_size, NUM_CLASSES, precision)
+            contenders.peer_names["keras_hub"].append(contenders.add_keras("keras_hub", hub, hub_jit))
+    device = "cuda" if accelerator == "gpu" else "cpu"
+    tf32 = ", TF32" if device == "cuda" and precision == "float32" else ""
+    for peer, compiled, label in (("timm", False, "PyTorch eager"), ("timm_compiled", True, "torch.compile")):
+        if peer in compare:
+            worker = peers.TimmWorker(
+                config, image_size, contenders.batch_size, NUM_CLASSES, contenders.mode, precision, device,
+                compiled=compiled, python=timm_python, passive_threads={"timm", "timm_compiled"} <= set(compare),
+            )  # fmt: skip
+            contenders.workers.append(worker)
+            name = f"timm ({label}, {device}{tf32})"
+            contenders.runs[name] = (worker, worker.parameters)
+            contenders.peer_names[peer].append(name)
+
+
+def time_interleaved(runs, matmuls, matmul_flops, repeats, steps, batch_size):
+    """(matmul peaks, name -> images/s of each repetition): the matmul peak, a warm-up (compilation) of every
+    run, `repeats` interleaved repetitions of `steps` batches, and the matmul peak again.
+
+    The peak is timed before and after the repetitions, not between them: on the CPU the calls that follow
+    the large matmuls run slower for a while (seen on JAX with a small model).
+    """
+    for function, argument in matmuls.values():
+        timed(function, argument)
+    peaks = matmul_peak_rates(matmuls, matmul_flops)
+    for run, _ in runs.values():
+        run(1)
+    rates = {name: [] for name in runs}
+    names = list(runs)
+    for repeat in range(repeats):  # Each repetition starts with the next contender.
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            time.sleep(SETTLE_SECONDS)
+            rates[name].append(steps * batch_size / runs[name][0](steps))
+    for name, values in matmul_peak_rates(matmuls, matmul_flops).items():
+        peaks[name] += values
+    return peaks, rates
+
+
+def print_table(contenders, median, flops, peak):
+    """Prints each implementation's parameters, images/s, FLOP/s, fraction of the roofline and our speed-up."""
+    print(
+        f"  {'implementation':34s} {'params':>11s} {'images/s':>9s} {'GFLOP/s':>8s} {'of peak':>8s} "
+        f"{'ours/this':>9s}"
+    )
+    for name, rate in median.items():
+        print(
+            f"  {name:34s} {contenders.runs[name][1]:11,d} {rate:9.2f} {rate * flops / 1e9:8.1f} "
+            f"{100 * rate * flops / peak:7.1f}% {median[contenders.ours] / rate:8.2f}x"
+        )
+
+
+def speed_ups(contenders, median, precision, quantize):
+    """Prints and returns {what: {"ratio": ours / it, "against": its name}} for the quantization, the 16-bit
+    policy and each peer (against its faster form)."""
+    ours = median[contenders.ours]
+    ratios = {}
+    if contenders.unquantized:
+        ratios["quantized"] = {"ratio": ours / median[contenders.unquantized], "against": contenders.unquantized}
+        print(f"keras_vit {quantize} / keras_vit unquantized: {ratios['quantized']['ratio']:.2f}x")
+    if contenders.float32:
+        ratios["float32"] = {"ratio": ours / median[contenders.float32], "against": contenders.float32}
+        print(f"keras_vit {precision} / keras_vit float32: {ratios['float32']['ratio']:.2f}x")
+    for peer, names in contenders.peer_names.items():
+        best = max((median[name], name) for name in names)
+        faster = ", its faster" if len(names) > 1 else ""
+        ratios[peer] = {"ratio": ours / best[0], "against": best[1]}
+        print(f"keras_vit / {peer}: {ratios[peer]['ratio']:.2f}x (against {best[1]}{faster})")
+    return ratios
+
+
 def throughput(
     variant, image_size, batch_size, mode, precision, jit, compare, repeats, steps, float32_row=True, timm_python=None,
     quantize=None,
@@ -106,73 +234,17 @@ def throughput(
     images = rng.uniform(0, 255, (steps * batch_size, image_size, image_size, 3)).astype("float32")
     labels = rng.integers(0, NUM_CLASSES, steps * batch_size)
 
-    # === Contenders: name -> (steps -> seconds), parameter count; peer -> its contenders' names ===
-    contenders, peer_names = {}, {peer: [] for peer in compare}
-
-    def add_keras(label, model, jit_compile):
-        name = f"{label} ({'XLA' if jit_compile else 'no XLA'})"
-        run = keras_contender(model, mode, images, labels, batch_size, jit_compile)
-        contenders[name] = (run, model.count_params())
-        return name
-
-    ours = keras_vit.build_vit(variant, image_size=image_size, num_classes=NUM_CLASSES)
-    if quantize:  # The same weights unquantized, then quantized: the quantization's speed-up.
-        unquantized = keras_vit.build_vit(variant, image_size=image_size, num_classes=NUM_CLASSES)
-        unquantized.set_weights(ours.get_weights())
-        unquantized_name = add_keras("keras_vit unquantized", unquantized, jit_compile)
-        ours.quantize(quantize)
-    ours_name = add_keras(f"keras_vit {quantize}" if quantize else "keras_vit", ours, jit_compile)
-    measure_float32 = float32_row and precision != "float32"
-    if measure_float32:  # Our own float32 model, for the speed-up of the 16-bit policy.
-        keras.mixed_precision.set_dtype_policy("float32")
-        ours32 = keras_vit.build_vit(variant, image_size=image_size, num_classes=NUM_CLASSES)
-        keras.mixed_precision.set_dtype_policy(precision)
-        jit32 = keras_vit.training.resolve_jit_compile(jit, "float32", training=mode == "train")
-        float32_name = add_keras("keras_vit float32", ours32, jit32)
-    workers = []
-    if "keras_hub" in compare:
-        # Without XLA is TensorFlow's graph mode; the JAX backend always compiles.
-        for hub_jit in (False, True) if keras.backend.backend() == "tensorflow" else (True,):
-            hub = peers.keras_hub_model(config, image_size, NUM_CLASSES, precision)
-            peer_names["keras_hub"].append(add_keras("keras_hub", hub, hub_jit))
-    device = "cuda" if accelerator == "gpu" else "cpu"
-    tf32 = ", TF32" if device == "cuda" and precision == "float32" else ""
-    for peer, compiled, label in (("timm", False, "PyTorch eager"), ("timm_compiled", True, "torch.compile")):
-        if peer in compare:
-            worker = peers.TimmWorker(
-                config, image_size, batch_size, NUM_CLASSES, mode, precision, device, compiled=compiled,
-                python=timm_python, passive_threads={"timm", "timm_compiled"} <= set(compare),
-            )  # fmt: skip
-            workers.append(worker)
-            name = f"timm ({label}, {device}{tf32})"
-            contenders[name] = (worker, worker.parameters)
-            peer_names[peer].append(name)
+    contenders = Contenders(mode, images, labels, batch_size, {peer: [] for peer in compare})
+    add_ours(contenders, variant, image_size, precision, jit, jit_compile, quantize, float32_row)
+    add_peers(contenders, config, image_size, precision, compare, timm_python, accelerator)
     dtype = "bfloat16" if precision == "mixed_bfloat16" else "float32"
     # An accelerator needs a larger product to reach its peak than a CPU core.
     matmul_size = 2048 if accelerator == "cpu" else 8192
     matmuls, matmul_flops = matmul_peak_functions(dtype, matmul_size)
-
-    # === Matmul peak, warm-up (compilation), interleaved repetitions, matmul peak ===
-    # The peak is timed before and after the repetitions, not between them:
-    # on the CPU the calls that follow the large matmuls run slower for a
-    # while (seen on JAX with a small model).
     try:
-        for function, argument in matmuls.values():
-            timed(function, argument)
-        peaks = matmul_peak_rates(matmuls, matmul_flops)
-        for run, _ in contenders.values():
-            run(1)
-        rates = {name: [] for name in contenders}
-        names = list(contenders)
-        for repeat in range(repeats):  # Each repetition starts with the next contender.
-            for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
-                time.sleep(SETTLE_SECONDS)
-                rates[name].append(steps * batch_size / contenders[name][0](steps))
-        for name, values in matmul_peak_rates(matmuls, matmul_flops).items():
-            peaks[name] += values
+        peaks, rates = time_interleaved(contenders.runs, matmuls, matmul_flops, repeats, steps, batch_size)
     finally:
-        for worker in workers:
-            worker.close()
+        contenders.close()
     peak_by_kind = median_peaks(peaks)
     peak = max(peak_by_kind.values())
     median = {name: statistics.median(values) for name, values in rates.items()}
@@ -196,37 +268,18 @@ def throughput(
         + ", ".join(f"{name} {value / 1e9:.0f} GFLOP/s" for name, value in peak_by_kind.items())
         + f"; roofline {peak / 1e9:.0f} GFLOP/s"
     )
-    print(
-        f"  {'implementation':34s} {'params':>11s} {'images/s':>9s} {'GFLOP/s':>8s} {'of peak':>8s} "
-        f"{'ours/this':>9s}"
-    )
-    for name, rate in median.items():
-        print(
-            f"  {name:34s} {contenders[name][1]:11,d} {rate:9.2f} {rate * flops / 1e9:8.1f} "
-            f"{100 * rate * flops / peak:7.1f}% {median[ours_name] / rate:8.2f}x"
-        )
-    ratios = {}
-    if quantize:
-        ratios["quantized"] = {"ratio": median[ours_name] / median[unquantized_name], "against": unquantized_name}
-        print(f"keras_vit {quantize} / keras_vit unquantized: {ratios['quantized']['ratio']:.2f}x")
-    if measure_float32:
-        ratios["float32"] = {"ratio": median[ours_name] / median[float32_name], "against": float32_name}
-        print(f"keras_vit {precision} / keras_vit float32: {ratios['float32']['ratio']:.2f}x")
-    for peer, names in peer_names.items():
-        best = max((median[name], name) for name in names)
-        faster = ", its faster" if len(names) > 1 else ""
-        ratios[peer] = {"ratio": median[ours_name] / best[0], "against": best[1]}
-        print(f"keras_vit / {peer}: {ratios[peer]['ratio']:.2f}x (against {best[1]}{faster})")
+    print_table(contenders, median, flops, peak)
+    ratios = speed_ups(contenders, median, precision, quantize)
     figures = {
-        "ours": ours_name,
+        "ours": contenders.ours,
         "images_per_second": median,
-        "params": {name: contender[1] for name, contender in contenders.items()},
+        "params": {name: contender[1] for name, contender in contenders.runs.items()},
         "of_peak": {name: rate * flops / peak for name, rate in median.items()},
         "model_flops_per_image": flops,
         "matmul_peak": {"matmul": f"{dtype} {matmul_size}^3", "flops_per_second": peak_by_kind},
         "peak_flops_per_second": peak,
     }
     versions = {}
-    for worker in workers:  # The peers' own interpreter may not be this one (--timm_python).
+    for worker in contenders.workers:  # The peers' own interpreter may not be this one (--timm_python).
         versions.update(worker.versions)
     return {"figures": figures, "ratios": ratios, "xla": jit_compile, "versions": versions}

@@ -9,10 +9,19 @@ from ml_collections import config_dict
 
 
 def get_base_config():
+    """Every field the training job reads, with its default, one section at a time."""
     config = ml_collections.ConfigDict()
     config.seed = 0
+    add_data_fields(config)
+    add_model_fields(config)
+    add_optimisation_fields(config)
+    add_execution_fields(config)
+    add_output_fields(config)
+    return config
 
-    # === Data ===
+
+def add_data_fields(config):
+    """The data set, its splits and limits, and the training augmentation."""
     config.dataset = "digits"  # "digits", "tfds:NAME[:SPLIT]" or "folder:PATH"
     config.data_dir = ""  # TFDS data_dir, local or gs://
     config.test_split = ""  # TFDS evaluation split; default "test", else "validation"
@@ -51,7 +60,9 @@ def get_base_config():
         }
     )
 
-    # === Model: build_vit's arguments ===
+
+def add_model_fields(config):
+    """The model: build_vit's arguments, and the checkpoint a transfer starts from."""
     config.model = ml_collections.ConfigDict()
     config.model.variant = "B/16"
     config.model.classifier = "token"
@@ -71,7 +82,9 @@ def get_base_config():
     config.interpolation = config_dict.placeholder(str)
     config.freeze_backbone = False
 
-    # === Optimisation (keras_vit.training) ===
+
+def add_optimisation_fields(config):
+    """The optimisation (keras_vit.training): batch, schedule, regularisation and fine-tuning tools."""
     config.batch_size = 512  # Global, over all replicas.
     config.epochs = 10
     config.optimizer = "adamw"  # or "sgd"
@@ -94,7 +107,9 @@ def get_base_config():
     # micro-batches, one after the other, and updates once; the evaluation batches are micro-batches too.
     config.grad_accum_steps = 1
 
-    # === Execution ===
+
+def add_execution_fields(config):
+    """How the steps run: steps per execution, backups, precision, XLA, logging and TensorBoard figures."""
     config.steps_per_execution = 1  # > 1 keeps TPUs busy.
     config.backup_every = "epoch"  # BackupAndRestore: "epoch" or a number of steps.
     config.precision = "float32"  # or "mixed_bfloat16", "mixed_float16".
@@ -107,7 +122,9 @@ def get_base_config():
     # image tag unless started with --samples_per_plugin=images=N); 0: every epoch.
     config.tensorboard_figure_epochs = 10
 
-    # === At the end ===
+
+def add_output_fields(config):
+    """What is made at the end: exports, figures and evaluations on more test sets."""
     # Exports into workdir/export, comma separated: saved_model, tflite,
     # tflite_float16, tflite_dynamic, tflite_int8, onnx.
     config.export = ""
@@ -118,4 +135,3 @@ def get_base_config():
     # not): {name: {"dataset": TFDS name, "split": ..., "label": a ClassLabel feature, or a Sequence of
     # them for ReaL-style multi-label accuracy}}.
     config.extra_evals = ml_collections.ConfigDict()
-    return config

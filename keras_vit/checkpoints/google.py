@@ -242,6 +242,115 @@ def _check_options(params, target_shapes, key_name):
             )
 
 
+def _check_head_count(key, value, num_heads, key_name):
+    """A CheckpointError when the attention kernel `key` ((D, heads, head_dim), or (heads, head_dim, D) for
+    `out`) has another head count than the model's `num_heads` (None: not checked)."""
+    attention_kernel = re.search(rf"(?:{BLOCK_ATTENTION}|{MAP_ATTENTION})/(query|key|value|out)/kernel$", key)
+    if num_heads and attention_kernel and value.ndim == 3:
+        # The one place a file says its head count, which a model of the same width and another count would
+        # otherwise take silently.
+        heads = value.shape[0] if attention_kernel.group(1) == "out" else value.shape[1]
+        if heads != num_heads:
+            raise CheckpointError(
+                f"The checkpoint's {key_name(key)!r} has shape {value.shape}: {heads} attention heads; the model "
+                f"has {num_heads}. Build it with num_heads={heads}."
+            )
+
+
+def _resnet_key(path, params, key_name):
+    """The checkpoint key of the ResNet stem's weight `path` (`resnet/block1_unit2/gn1/gamma`)."""
+    key = next((k for k in params if _resnet_path(k) == path), None)
+    if key is None:
+        wanted = path[len("resnet/") :].replace("_unit", "/unit")
+        wanted = re.sub(r"/(gn[^/]*)/gamma$", r"/\1/scale", wanted)
+        wanted = re.sub(r"/(gn[^/]*)/beta$", r"/\1/bias", wanted)
+        raise _missing(wanted, params, key_name)
+    return key
+
+
+def _fit_position_embeddings(value, grid_size, has_class_token, drop_class_row, width, interpolation, name):
+    """(position embeddings for the model, a note or None): the checkpoint's `value` without its class-token
+    row when `drop_class_row`, its patch rows resampled to `grid_size` when their number differs and the
+    model's `width` agrees (a width that does not is the caller's shape mismatch)."""
+    if drop_class_row:
+        value = value[:, 1:]
+    patches = value.shape[1] - has_class_token
+    if patches == grid_size[0] * grid_size[1] or value.shape[-1] != width:
+        return value, None
+    if square_side(patches) is None:
+        raise CheckpointError(
+            f"The checkpoint's {name!r} has {patches} patch rows, not a square grid, and the model's grid is "
+            f"{grid_size[0]}x{grid_size[1]}: build the model at the checkpoint's own image size, or resample them "
+            "with keras_vit.resample_position_embeddings(..., old_grid=...) first."
+        )
+    note = f"Position embeddings resampled from {patches} to {grid_size[0]}x{grid_size[1]} patches ({interpolation})."
+    return resample_position_embeddings(value, grid_size, interpolation, num_prefix_tokens=int(has_class_token)), note
+
+
+def _head_mismatch(path, theirs, value_shape, shape, skip_mismatched_head):
+    """The note that the model's head `path` is left as initialised, its shape not the checkpoint's; a
+    CheckpointError instead unless `skip_mismatched_head`."""
+    if not skip_mismatched_head:
+        raise CheckpointError(
+            f"The checkpoint's {theirs!r} has shape {value_shape}, the model's head "
+            f"{path!r} has shape {shape}; pass skip_mismatched_head=True to keep the "
+            "model's head for a new task."
+        )
+    return (
+        f"Head not loaded: checkpoint {theirs} {value_shape} vs model {shape}; "
+        "the model's head is left as initialised for the new task."
+    )
+
+
+def _unused_notes(params, used, key_name):
+    """Notes on the checkpoint's keys the model did not take (a head or pre-logits, dropped); a
+    CheckpointError when any other key is left over."""
+    unused = sorted(set(params) - used)
+    dropped = [k for k in unused if k.startswith(("pre_logits/", "head/"))]
+    unexpected = [k for k in unused if k not in dropped]
+    if unexpected:
+        raise CheckpointError(
+            f"The checkpoint has {len(unexpected)} key(s) the model has no place for, e.g. "
+            f"{list(dict.fromkeys(map(key_name, unexpected)))[:5]}; is it another variant (depth, hybrid, classifier)?"
+        )
+    return [f"Not in the model, dropped: {dropped}."] if dropped else []
+
+
+class _CheckedReader:
+    """Reads a canonical checkpoint's arrays by key, each checked (floating-point, finite, head count) and
+    recorded in `used`."""
+
+    def __init__(self, params, key_name, num_heads):
+        self.params, self.key_name, self.num_heads = params, key_name, num_heads
+        self.used = set()
+
+    def __call__(self, key):
+        if key not in self.params:
+            raise _missing(key, self.params, self.key_name)
+        self.used.add(key)
+        value = check_array(self.params[key], self.key_name(key))
+        _check_head_count(key, value, self.num_heads, self.key_name)
+        return value
+
+    def weight(self, path):
+        """The checkpoint's array for the model weight `path`: the ResNet stem's, an attention's fused
+        projections, a block's or a top-level one."""
+        block = re.match(r"^encoderblock_(\d+)/(.+)$", path)
+        attention = _attention_source(path)
+        if path.startswith("resnet/"):
+            return self(_resnet_key(path, self.params, self.key_name))
+        if attention:
+            return _read_attention(self, *attention)
+        if block:
+            theirs = _BLOCK_BY_PATH.get(block.group(2))
+            prefix = f"Transformer/encoderblock_{block.group(1)}/"
+        else:
+            theirs, prefix = _TOP_LEVEL_BY_PATH.get(path), ""
+        if theirs is None:
+            raise CheckpointError(f"No checkpoint key is known for the model weight {path!r}.")
+        return self(prefix + theirs)
+
+
 def convert_checkpoint(
     params, target_shapes, grid_size, *, interpolation="bicubic", skip_mismatched_head=True, key_name=str,
     num_heads=None,
@@ -269,107 +378,37 @@ def convert_checkpoint(
         or not finite, or another head count.
     """
     _check_options(params, target_shapes, key_name)
-    weights, notes, used = {}, [], set()
+    read = _CheckedReader(params, key_name, num_heads)
+    weights, notes = {}, []
     has_class_token = "patch_encoder/class_token" in target_shapes
-
-    def take(key):
-        if key not in params:
-            raise _missing(key, params, key_name)
-        used.add(key)
-        value = check_array(params[key], key_name(key))
-        attention_kernel = re.search(rf"(?:{BLOCK_ATTENTION}|{MAP_ATTENTION})/(query|key|value|out)/kernel$", key)
-        if num_heads and attention_kernel and value.ndim == 3:
-            # Stored as (D, heads, head_dim), or (heads, head_dim, D) for `out`: the one place a file says its
-            # head count, which a model of the same width and another count would otherwise take silently.
-            heads = value.shape[0] if attention_kernel.group(1) == "out" else value.shape[1]
-            if heads != num_heads:
-                raise CheckpointError(
-                    f"The checkpoint's {key_name(key)!r} has shape {value.shape}: {heads} attention heads; the model "
-                    f"has {num_heads}. Build it with num_heads={heads}."
-                )
-        return value
-
+    drop_class_row = "cls" in params and not has_class_token
     for path, shape in target_shapes.items():
         shape = tuple(shape)
-        block = re.match(r"^encoderblock_(\d+)/(.+)$", path)
-        attention = _attention_source(path)
-        if path.startswith("resnet/"):
-            key = next((k for k in params if _resnet_path(k) == path), None)
-            if key is None:
-                wanted = path[len("resnet/") :].replace("_unit", "/unit")
-                wanted = re.sub(r"/(gn[^/]*)/gamma$", r"/\1/scale", wanted)
-                wanted = re.sub(r"/(gn[^/]*)/beta$", r"/\1/bias", wanted)
-                raise _missing(wanted, params, key_name)
-            value = take(key)
-        elif attention:
-            value = _read_attention(take, *attention)
-        elif block:
-            prefix, rest = f"Transformer/encoderblock_{block.group(1)}/", block.group(2)
-            theirs = _BLOCK_BY_PATH.get(rest)
-            if theirs is None:
-                raise CheckpointError(f"No checkpoint key is known for the model weight {path!r}.")
-            value = take(prefix + theirs)
-        else:
-            theirs = _TOP_LEVEL_BY_PATH.get(path)
-            if theirs is None:
-                raise CheckpointError(f"No checkpoint key is known for the model weight {path!r}.")
-            if path.startswith("head/") and theirs not in params:
-                notes.append(f"The checkpoint has no head: {path} left as initialised.")
-                continue
-            value = take(theirs)
-            if path == "patch_encoder/position_embedding":
-                if "cls" in params and not has_class_token:
-                    value = value[:, 1:]
-                patches = grid_size[0] * grid_size[1]
-                if value.shape[1] - has_class_token != patches and value.shape[-1] == shape[-1]:
-                    if square_side(value.shape[1] - has_class_token) is None:
-                        raise CheckpointError(
-                            f"The checkpoint's {key_name(theirs)!r} has {value.shape[1] - has_class_token} patch "
-                            f"rows, not a square grid, and the model's grid is {grid_size[0]}x{grid_size[1]}: build "
-                            "the model at the checkpoint's own image size, or resample them with "
-                            "keras_vit.resample_position_embeddings(..., old_grid=...) first."
-                        )
-                    notes.append(
-                        f"Position embeddings resampled from {value.shape[1] - has_class_token} to "
-                        f"{grid_size[0]}x{grid_size[1]} patches ({interpolation})."
-                    )
-                    value = resample_position_embeddings(
-                        value, grid_size, interpolation, num_prefix_tokens=int(has_class_token)
-                    )
-            if path.startswith("head/") and value.shape != shape:
-                if not skip_mismatched_head:
-                    raise CheckpointError(
-                        f"The checkpoint's {theirs!r} has shape {value.shape}, the model's head "
-                        f"{path!r} has shape {shape}; pass skip_mismatched_head=True to keep the "
-                        "model's head for a new task."
-                    )
-                notes.append(
-                    f"Head not loaded: checkpoint {theirs} {value.shape} vs model {shape}; "
-                    "the model's head is left as initialised for the new task."
-                )
-                continue
+        theirs = _TOP_LEVEL_BY_PATH.get(path)
+        is_head = path.startswith("head/") and theirs is not None
+        if is_head and theirs not in params:
+            notes.append(f"The checkpoint has no head: {path} left as initialised.")
+            continue
+        value = read.weight(path)
+        if path == "patch_encoder/position_embedding":
+            value, note = _fit_position_embeddings(
+                value, grid_size, has_class_token, drop_class_row, shape[-1], interpolation, key_name(theirs)
+            )
+            notes += [note] if note else []
+        if is_head and value.shape != shape:
+            notes.append(_head_mismatch(path, theirs, value.shape, shape, skip_mismatched_head))
+            continue
         if value.shape != shape:
             raise CheckpointError(
                 f"Shape mismatch for {path!r}: the checkpoint gives {value.shape}, the model expects {shape}."
             )
         weights[path] = value
-
-    if "cls" in params and not has_class_token:
-        used.add("cls")
+    if drop_class_row:
+        read.used.add("cls")
         notes.append(
             "The checkpoint's class token (and its position) dropped: the model has none (classifier 'gap' or 'map')."
         )
-    unused = sorted(set(params) - used)
-    dropped = [k for k in unused if k.startswith(("pre_logits/", "head/"))]
-    if dropped:
-        notes.append(f"Not in the model, dropped: {dropped}.")
-    unexpected = [k for k in unused if k not in dropped]
-    if unexpected:
-        raise CheckpointError(
-            f"The checkpoint has {len(unexpected)} key(s) the model has no place for, e.g. "
-            f"{list(dict.fromkeys(map(key_name, unexpected)))[:5]}; is it another variant (depth, hybrid, classifier)?"
-        )
-    return weights, notes
+    return weights, notes + _unused_notes(params, read.used, key_name)
 
 
 def to_checkpoint(weights, num_heads):
