@@ -78,7 +78,9 @@ def whole_executions(steps_per_execution, steps_per_epoch):
 
 def compile_model(model, config, optimizer, *, steps_per_execution=1):
     """Compiles `model` for one-hot labels: cross-entropy on logits with config.label_smoothing, accuracy,
-    XLA as config.jit_compile and config.precision ask (`keras_vit.training.resolve_jit_compile`).
+    XLA as config.jit_compile and config.precision ask (`keras_vit.training.resolve_jit_compile`); and sets
+    its training step's MixUp/CutMix (config.augment) and gradient accumulation (config.grad_accum_steps)
+    when the config asks for them (they need a `keras_vit.TrainingSteps` model, such as a ViT).
 
     Under a strategy's scope, "auto" follows the strategy.
     """
@@ -89,4 +91,14 @@ def compile_model(model, config, optimizer, *, steps_per_execution=1):
         jit_compile=training.resolve_jit_compile(config.jit_compile, config.precision),
         steps_per_execution=steps_per_execution,
     )
+    augment = config.augment
+    if augment.mixup_alpha or augment.cutmix_alpha:
+        # Inside the compiled step: uint8 batches cross to the device, mixed there.
+        keras_vit.enable_batch_mixing(
+            model, mixup_alpha=augment.mixup_alpha, cutmix_alpha=augment.cutmix_alpha,
+            switch_prob=augment.switch_prob, seed=config.seed,
+        )
+    if config.grad_accum_steps != 1:
+        # Each batch as config.grad_accum_steps micro-batches, one update: the batch's (mixed whole, then split).
+        keras_vit.enable_gradient_accumulation(model, config.grad_accum_steps)
     return model

@@ -268,17 +268,7 @@ def build_model(run):
             models.make_optimizer(config, total_steps, warmup_steps, model=model),
             # Several steps per call: what keeps a TPU busy; whole executions per epoch.
             steps_per_execution=run.steps_per_execution,
-        )
-        # MixUp / CutMix inside the compiled step: uint8 batches cross to the device, mixed there.
-        keras_vit.enable_batch_mixing(
-            model,
-            mixup_alpha=config.augment.mixup_alpha,
-            cutmix_alpha=config.augment.cutmix_alpha,
-            switch_prob=config.augment.switch_prob,
-            seed=config.seed,
-        )
-        # Each batch as config.grad_accum_steps micro-batches, one update: the batch's (mixed whole, then split).
-        keras_vit.enable_gradient_accumulation(model, config.grad_accum_steps)
+        )  # With config.augment's MixUp/CutMix and config.grad_accum_steps in the training step.
     return model
 
 

@@ -59,37 +59,78 @@ def pretrained_vit(config, checkpoint, num_classes, *, freeze):
 def run(config, workdir):
     """Pre-trains, then trains each method at each number of shots and seed; writes the outputs; returns the results."""
     dataset = datasets.load_in_memory(config)
-    source_classes = sorted(int(c) for c in config.source_classes)
-    target_classes = [c for c in range(dataset.num_classes) if c not in source_classes]
-    if not source_classes or not target_classes or not set(source_classes) <= set(range(dataset.num_classes)):
-        raise ValueError(
-            f"config.source_classes must be some, not all, of the data set's classes 0..{dataset.num_classes - 1}. "
-            f"Received: source_classes={source_classes}"
-        )
+    source_classes, target_classes = checked_classes(config, dataset.num_classes)
     target = config.target
     shots, seeds = sorted(int(s) for s in target.shots), [int(s) for s in target.seeds]
-    source_train, source_test = split_classes(dataset, source_classes)
     target_train, target_test = split_classes(dataset, target_classes)
     keras.mixed_precision.set_global_policy(config.precision)
     tf.io.gfile.makedirs(workdir)
+    source = pretrain(config, workdir, source_classes, split_classes(dataset, source_classes))
+    keras.backend.clear_session()
+    results = {
+        "config": config.to_dict(),
+        "dataset": {"name": config.dataset, "num_classes": dataset.num_classes},
+        "source": source,
+        "target": {
+            "classes": target_classes,
+            "num_train_available": len(target_train),
+            "num_test": len(target_test),
+            "shots": shots,
+            "seeds": seeds,
+            "steps": target.steps,
+            "batch_size": target.batch_size,
+        },
+        "methods": train_methods(
+            config, source["checkpoint"], len(target_classes), (target_train, target_test), shots, seeds
+        ),
+    }
+    return write_report(results, workdir)
 
-    # === Pre-training on the source classes ===
+
+def checked_classes(config, num_classes):
+    """(source classes, target classes): config.source_classes, and the data set's other classes."""
+    source_classes = sorted(int(c) for c in config.source_classes)
+    target_classes = [c for c in range(num_classes) if c not in source_classes]
+    if not source_classes or not target_classes or not set(source_classes) <= set(range(num_classes)):
+        raise ValueError(
+            f"config.source_classes must be some, not all, of the data set's classes 0..{num_classes - 1}. "
+            f"Received: source_classes={source_classes}"
+        )
+    return source_classes, target_classes
+
+
+def pretrain(config, workdir, classes, splits):
+    """Trains on the train split of the source `classes`, writes pretrained.npz; returns what the results
+    record of it."""
+    source_train, source_test = splits
+    num_classes = len(classes)
     (model, pretraining), = short_runs.train_runs(
-        lambda: models.build_model(config, len(source_classes)), [(config.seed, source_train)], source_test,
+        lambda: models.build_model(config, num_classes), [(config.seed, source_train)], source_test,
         config=config, steps=config.pretrain_steps, warmup_steps=config.warmup_steps,
-        batch_size=config.batch_size, num_classes=len(source_classes),
+        batch_size=config.batch_size, num_classes=num_classes,
     )
     checkpoint = tf.io.gfile.join(workdir, "pretrained.npz")
     keras_vit.save_npz(model, checkpoint)
     print(
-        f"Pre-trained on classes {source_classes} ({len(source_train)} images): "
+        f"Pre-trained on classes {classes} ({len(source_train)} images): "
         f"{pretraining['test_accuracy']:.3f} on their {len(source_test)} held-out images; wrote {checkpoint}",
         flush=True,
     )
-    keras.backend.clear_session()
+    return {
+        "classes": classes,
+        "num_train": len(source_train),
+        "num_test": len(source_test),
+        "steps": config.pretrain_steps,
+        "test_accuracy": pretraining["test_accuracy"],
+        "checkpoint": checkpoint,
+    }
 
-    # === The target task, each method on the same draws ===
-    num_classes = len(target_classes)
+
+def train_methods(config, checkpoint, num_classes, splits, shots, seeds):
+    """{method: its trainable parameters and, per number of shots, the seeds' results}: each method trained on
+    the same draws of `shots` training images per class, with each seed, and tested on the test split."""
+    target = config.target
+    target_train, target_test = splits
     draws = [
         (seed, datasets.take(target_train, datasets.stratified_subset(target_train.labels, seed, per_class=k)))
         for k in shots
@@ -100,28 +141,7 @@ def run(config, workdir):
         "frozen_backbone": lambda: pretrained_vit(config, checkpoint, num_classes, freeze=True),
         "fine_tune": lambda: pretrained_vit(config, checkpoint, num_classes, freeze=False),
     }
-    results = {
-        "config": config.to_dict(),
-        "dataset": {"name": config.dataset, "num_classes": dataset.num_classes},
-        "source": {
-            "classes": source_classes,
-            "num_train": len(source_train),
-            "num_test": len(source_test),
-            "steps": config.pretrain_steps,
-            "test_accuracy": pretraining["test_accuracy"],
-            "checkpoint": checkpoint,
-        },
-        "target": {
-            "classes": target_classes,
-            "num_train_available": len(target_train),
-            "num_test": len(target_test),
-            "shots": shots,
-            "seeds": seeds,
-            "steps": target.steps,
-            "batch_size": target.batch_size,
-        },
-        "methods": {},
-    }
+    methods = {}
     for method in METHODS:
         per_run = []
         for (seed, train), (trained, result) in zip(
@@ -139,7 +159,7 @@ def run(config, workdir):
                 f"train {result['train_accuracy']:.3f} ({result['seconds']:.0f} s)",
                 flush=True,
             )
-        results["methods"][method] = {
+        methods[method] = {
             "trainable_parameters": trainable,
             "points": [
                 {"shots": k, "size": k * num_classes}
@@ -148,8 +168,12 @@ def run(config, workdir):
             ],
         }
         keras.backend.clear_session()
+    return methods
 
-    header = ["method (trainable parameters)"] + [f"{k} per class" for k in shots]
+
+def write_report(results, workdir):
+    """Writes transfer.json, .md and .png into `workdir`, prints the table; returns `results`."""
+    header = ["method (trainable parameters)"] + [f"{k} per class" for k in results["target"]["shots"]]
     rows = [
         [f"{method} ({m['trainable_parameters']:,})"] + [f"{p['mean']:.3f} ± {p['std']:.3f}" for p in m["points"]]
         for method, m in results["methods"].items()
