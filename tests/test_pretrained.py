@@ -169,6 +169,30 @@ def test_an_original_npz_gives_its_architecture_from_the_shapes(tmp_path, varian
                                   source.predict(images, verbose=0))
 
 
+def test_the_original_reader_returns_the_spec_the_arrays_describe(tmp_path):
+    """Each layout's reader returns (spec, arrays): the spec is the source model's, but for what an .npz
+    cannot hold (its preprocessing, names, initializer); a model built from it loads the arrays exactly."""
+    from keras_vit.checkpoints import readers
+
+    source = randomize_weights(keras_vit.build_vit(
+        "testing", image_size=(16, 16), num_classes=4, num_heads=2, patch_size=4, gelu="tanh",
+        class_names=["a", "b", "c", "d"]))  # fmt: skip
+    checkpoints.save_npz(source, tmp_path / "vit.npz")
+    path = str(tmp_path / "vit.npz")
+    spec, arrays = readers.READERS["file"](path, None, None, path)
+    unchanged = {"preprocessing": source.spec.preprocessing, "class_names": ("a", "b", "c", "d"),
+                 "head_kernel_initializer": source.spec.head_kernel_initializer}  # fmt: skip
+    assert spec.replace(**unchanged) == source.spec
+    assert spec.class_names is None and spec.image_size == (16, 16)
+    model = keras_vit.ViT(spec)
+    checkpoints.model_io.load_params(model, arrays)
+    images = random_images((2, 16, 16, 3), seed=3)
+    np.testing.assert_array_equal(model.predict(images, verbose=0), source.predict(images, verbose=0))
+    bigger, _ = readers.READERS["file"](path, None, None, path, image_size=(24, 24))
+    assert bigger == spec.replace(image_size=(24, 24), preprocessing=keras_vit.Preprocessing(
+        (24, 24), (24, 24), keep_aspect_ratio=False))  # fmt: skip
+
+
 # === What a user changes ===
 
 

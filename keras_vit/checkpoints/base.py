@@ -20,6 +20,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not fit the model."""
 
 
+class PretrainedError(ValueError):
+    """Pretrained weights that cannot be found or read into a model of this library."""
+
+
 def check_interpolation(interpolation):
     """Raises a ValueError naming the choices unless `interpolation` is one of `INTERPOLATIONS`."""
     if interpolation not in INTERPOLATIONS:

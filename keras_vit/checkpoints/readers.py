@@ -1,0 +1,338 @@
+"""Readers of the pretrained layouts: each returns (spec, arrays), the `keras_vit.ViTSpec` that the files
+describe and the arrays to load into a model built from it.
+
+- `read_timm(weights, config, preprocessor, label)`: timm's `config.json` and state dict;
+- `read_transformers(...)`: transformers' `config.json`, `preprocessor_config.json` and state dict;
+- `read_original(...)`: an original `.npz` (or a lone `.safetensors` in any layout `load_pretrained` reads).
+
+Widths, depth, MLP width, patch size, channels, class token, MAP head, `norm_pre`, `fc_norm`, the
+representation layer and the head come from the arrays (`architecture`); what the arrays cannot say (the number
+of attention heads of a timm file, the GELU, LayerNorm's epsilon, the image size of a non-square grid, the
+preprocessing, the class names) from the configs.  The spec is at the files' own image size unless
+`image_size` asks for another, with the preprocessing the files' library would use at that size.
+"""
+
+import logging
+import re
+
+import numpy as np
+
+from keras_vit.checkpoints import model_io, timm, transformers
+from keras_vit.checkpoints.base import BLOCK_ATTENTION, POSEMB, CheckpointError, PretrainedError, square_side
+from keras_vit.checkpoints.formats import read_checkpoint
+from keras_vit.checkpoints.timm_architectures import TIMM_ARCHITECTURES
+from keras_vit.preprocessing import PILLOW_FILTERS, RESIZE_METHODS, Preprocessing
+from keras_vit.spec import ViTSpec
+from keras_vit.variants import HYBRIDS, MODEL_SIZES, to_pair
+
+log = logging.getLogger("keras_vit")
+
+# transformers' `hidden_act` values this model computes.
+TRANSFORMERS_GELU = {
+    "gelu": "exact", "gelu_python": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"
+}
+TIMM_GELU = {"gelu": "exact", "gelu_tanh": "tanh", "gelu_pytorch_tanh": "tanh"}
+
+
+# === The readers ===
+
+
+def read_timm(weights_path, config, preprocessor, label, *, num_heads=None, image_size=None):
+    """(spec, arrays) of a timm folder: `config.json` (read as `config`) and its state dict at `weights_path`."""
+    heads, options, preprocessing, names, pool, dynamic = _timm_options(config, label)
+    return _read(weights_path, label, num_heads or heads, options, preprocessing, names, pool, dynamic, image_size,
+                 architecture_name=config.get("architecture"))  # fmt: skip
+
+
+def read_transformers(weights_path, config, preprocessor, label, *, num_heads=None, image_size=None):
+    """(spec, arrays) of a transformers ViT folder: `config.json`, `preprocessor_config.json` (or None) and the
+    state dict at `weights_path`."""
+    heads, options, preprocessing, names = _transformers_options(config, preprocessor, label)
+    return _read(weights_path, label, num_heads or heads, options, preprocessing, names, "token", False, image_size)
+
+
+def read_original(weights_path, config, preprocessor, label, *, num_heads=None, image_size=None):
+    """(spec, arrays) of a file without a config: an original `.npz` (tanh GELU, as they were trained; pixels
+    squashed to the model's size), or a lone `.safetensors` (`num_heads` needed for timm's layout)."""
+    return _read(weights_path, label, num_heads, {"gelu": "tanh"}, None, None, None, False, image_size)
+
+
+READERS = {"timm": read_timm, "transformers": read_transformers, "file": read_original}
+
+
+def _read(weights_path, label, heads, options, preprocessing, names, pool, dynamic, image_size,
+          architecture_name=None):  # fmt: skip
+    """What the readers share: the arrays read and checked against the config, and the spec they make."""
+    raw, params = _read_weights(weights_path, heads, label, architecture_name)
+    arguments = architecture(params)
+    _check_pool(pool, arguments["classifier"], label)
+    options = dict(options)
+    own_size = options.pop("image_size", None) or _size_from_grid(params, arguments, label)
+    size = to_pair(image_size or own_size, "image_size")
+    variant = arguments.pop("variant", None) or _variant_name(arguments)
+    spec = ViTSpec.from_variant(
+        variant,
+        image_size=size,
+        dynamic_image_size=dynamic,
+        pixel_mean=_statistic(preprocessing, "mean"),
+        pixel_std=_statistic(preprocessing, "std"),
+        preprocessing=_preprocessing(preprocessing, size),
+        class_names=names or None,
+        **arguments,
+        **options,
+    )
+    return spec, raw
+
+
+# === The architecture ===
+
+
+def _block_count(params):
+    blocks = {int(m[1]) for key in params if (m := re.match(r"^Transformer/encoderblock_(\d+)/", key))}
+    if blocks != set(range(len(blocks))):
+        raise CheckpointError(f"The encoder blocks are numbered {sorted(blocks)}; expected 0 .. {len(blocks) - 1}.")
+    return len(blocks)
+
+
+def _require(params, key, what):
+    if key not in params:
+        raise CheckpointError(f"The checkpoint has no {key!r} ({what}): not a ViT this library builds.")
+    return params[key]
+
+
+def architecture(params):
+    """build_vit's keyword arguments read from a checkpoint in the original layout (after `to_original_layout`)."""
+    kernel = _require(params, "embedding/kernel", "the patch embedding")
+    if kernel.ndim != 4:
+        raise CheckpointError(f"'embedding/kernel' has shape {kernel.shape}; expected (patch_h, patch_w, C, D).")
+    patch_h, patch_w, channels, hidden = kernel.shape
+    depth = _block_count(params)
+    if depth == 0:
+        raise CheckpointError("The checkpoint has no encoder block ('Transformer/encoderblock_0/...').")
+    block = "Transformer/encoderblock_0/"
+    query = _require(params, block + BLOCK_ATTENTION + "/query/kernel", "the attention's query")
+    mlp = _require(params, block + "MlpBlock_3/Dense_0/kernel", "the MLP")
+    arguments = {
+        "hidden_dim": int(hidden),
+        "num_layers": depth,
+        "num_heads": int(query.shape[1]),
+        "mlp_dim": int(mlp.shape[1]),
+        "patch_size": (int(patch_h), int(patch_w)),
+        "num_channels": int(channels),
+        "pre_norm": "pre_norm/scale" in params,
+        "pooled_norm": "pooled_norm/scale" in params,
+        "position_embedding": "learned" if POSEMB in params else "sincos2d",
+    }
+    if "cls" in params:
+        arguments["classifier"] = "token"
+    elif any(key.startswith("MAPHead_0/") for key in params):
+        arguments["classifier"] = "map"
+    else:
+        arguments["classifier"] = "gap"
+    if "pre_logits/kernel" in params:
+        arguments["representation_size"] = int(params["pre_logits/kernel"].shape[1])
+    arguments["num_classes"] = int(params["head/kernel"].shape[1]) if "head/kernel" in params else None
+    units = {}
+    for key in params:
+        if m := re.match(r"^block(\d+)/unit(\d+)/", key):
+            units[int(m[1])] = max(units.get(int(m[1]), 0), int(m[2]))
+    if "conv_root/kernel" in params:
+        layers = tuple(units[s] for s in sorted(units))
+        # The hybrid with these ResNet stages (the widths and depth are overridden by the arrays' own).
+        matches = [name for name, (_, stages, _) in HYBRIDS.items() if stages == layers]
+        if not matches:
+            raise CheckpointError(f"A hybrid of ResNet stages {layers} is none of {list(HYBRIDS)}.")
+        arguments["variant"] = matches[0]
+        arguments["num_channels"] = int(params["conv_root/kernel"].shape[2])  # the image's, not the features'
+    return arguments
+
+
+def _variant_name(arguments):
+    """The variant to build with the architecture's overrides: the table's name when the sizes are a row of
+    it ("B/16", also the model's default name), else "B/16" with every size overridden."""
+    if "variant" in arguments:
+        return arguments["variant"]
+    size = (arguments["hidden_dim"], arguments["num_layers"], arguments["num_heads"], arguments["mlp_dim"])
+    names = [name for name, row in MODEL_SIZES.items() if row == size]
+    patch = arguments["patch_size"]
+    return f"{names[0]}/{patch[0]}" if names and patch[0] == patch[1] else "B/16"
+
+
+
+# === Each layout's config ===
+
+
+def _timm_options(config, path):
+    """(num_heads, build options, preprocessing arguments, class names, global pool, dynamic size) from timm's
+    config.json and the architecture's row of `TIMM_ARCHITECTURES`."""
+    architecture = str(config.get("architecture", ""))
+    model_args = config.get("model_args") or {}
+    pretrained = config.get("pretrained_cfg") or {}
+    row = TIMM_ARCHITECTURES.get(architecture)
+    if row is None:
+        num_heads, gelu, epsilon, dynamic, reason = None, "exact", 1e-6, False, None
+        log.warning(
+            "from_pretrained(%s): timm architecture %r is not in keras_vit's table of timm ViTs: read with the "
+            "exact GELU and LayerNorm epsilon 1e-6 (timm's VisionTransformer defaults).", path, architecture
+        )
+    else:
+        num_heads, gelu, epsilon, dynamic, reason = row
+    if reason:
+        raise PretrainedError(f"{path!r}: timm's {architecture!r} has {reason}, which this library does not build.")
+    act = model_args.get("act_layer")
+    if act is not None:
+        if act not in TIMM_GELU:
+            raise PretrainedError(f"{path!r}: model_args act_layer={act!r}; this library computes {sorted(TIMM_GELU)}.")
+        gelu = TIMM_GELU[act]
+    num_heads = model_args.get("num_heads", num_heads)
+    dynamic = bool(model_args.get("dynamic_img_size", dynamic))
+    options = {"gelu": gelu, "layer_norm_epsilon": epsilon}
+    if model_args.get("img_size") is not None:
+        options["image_size"] = to_pair(_pair_or_int(model_args["img_size"]), "img_size")
+    elif pretrained.get("input_size"):
+        options["image_size"] = tuple(int(v) for v in pretrained["input_size"][1:])
+    crop_mode = pretrained.get("crop_mode", "center")
+    if crop_mode not in ("center", "squash"):
+        raise PretrainedError(f"{path!r}: pretrained_cfg crop_mode={crop_mode!r}; read: 'center', 'squash'.")
+    interpolation = pretrained.get("interpolation", "bicubic")
+    # Where the config leaves them out, the defaults of timm's `_cfg` in deit.py (ImageNet's statistics, crop
+    # 0.875) and vision_transformer.py (0.5 and 0.5, crop 0.9).
+    deit = architecture.startswith("deit")
+    mean, std = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) if deit else ((0.5,) * 3, (0.5,) * 3)
+    preprocessing = {
+        "crop_fraction": float(pretrained.get("crop_pct", 0.875 if deit else 0.9)),
+        # timm's "random" (training only) evaluates as bilinear.
+        "interpolation": interpolation if interpolation in RESIZE_METHODS else "bilinear",
+        "keep_aspect_ratio": crop_mode == "center",
+        "mean": tuple(pretrained.get("mean", mean)),
+        "std": tuple(pretrained.get("std", std)),
+    }
+    names = config.get("label_names")
+    if isinstance(names, dict):
+        names = [names[k] for k in sorted(names, key=int)]
+    pool = model_args.get("global_pool", config.get("global_pool", "token"))
+    return num_heads, options, preprocessing, names, pool, dynamic
+
+
+def _pair_or_int(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _transformers_options(config, preprocessor, path):
+    """(num_heads, build options, preprocessing arguments, class names) from transformers' configs."""
+    act = config.get("hidden_act", "gelu")
+    if act not in TRANSFORMERS_GELU:
+        raise PretrainedError(
+            f"{path!r}: hidden_act={act!r}; this library computes {sorted(TRANSFORMERS_GELU)} (exact or tanh GELU)."
+        )
+    if config.get("qkv_bias", True) is False:
+        raise PretrainedError(f"{path!r}: qkv_bias=false; this library's attention has query, key and value biases.")
+    options = {
+        "gelu": TRANSFORMERS_GELU[act],
+        "layer_norm_epsilon": float(config.get("layer_norm_eps", 1e-12)),
+        "image_size": to_pair(_pair_or_int(config.get("image_size", 224)), "image_size"),
+    }
+    preprocessor = preprocessor or {}
+    mean = preprocessor.get("image_mean", (0.5, 0.5, 0.5)) if preprocessor.get("do_normalize", True) else (0.0,) * 3
+    std = preprocessor.get("image_std", (0.5, 0.5, 0.5)) if preprocessor.get("do_normalize", True) else (1.0,) * 3
+    rescale = float(preprocessor.get("rescale_factor", 1 / 255)) if preprocessor.get("do_rescale", True) else 1.0
+    if abs(rescale - 1 / 255) > 1e-9:
+        raise PretrainedError(f"{path!r}: the image processor does not scale pixels by 1/255; not read here.")
+    resample = preprocessor.get("resample", 2)
+    if resample not in PILLOW_FILTERS:
+        raise PretrainedError(f"{path!r}: resample={resample!r}; read: {PILLOW_FILTERS} (Pillow's filter codes).")
+    size = preprocessor.get("size", {"height": options["image_size"][0], "width": options["image_size"][1]})
+    if isinstance(size, int):
+        size = {"shortest_edge": size}
+    crop = preprocessor.get("crop_size") if preprocessor.get("do_center_crop", False) else None
+    if isinstance(crop, int):
+        crop = {"height": crop, "width": crop}
+    target = (crop["height"], crop["width"]) if crop else None
+    if "shortest_edge" in size:
+        edge = int(size["shortest_edge"])
+        resize, keep = (edge, edge), True
+    else:
+        resize, keep = (int(size["height"]), int(size["width"])), False
+    preprocessing = {
+        "image_size": target or resize,
+        "resize_size": resize,
+        "keep_aspect_ratio": keep,
+        "interpolation": PILLOW_FILTERS[resample],
+        "crop_offset": "floor",
+        "mean": tuple(mean),
+        "std": tuple(std),
+    }
+    labels = config.get("id2label")
+    names = [labels[k] for k in sorted(labels, key=int)] if isinstance(labels, dict) and labels else None
+    if names and all(re.fullmatch(r"LABEL_\d+", str(n)) for n in names):
+        names = None  # transformers' placeholders: no names.
+    return config.get("num_attention_heads"), options, preprocessing, names
+
+
+# === From the configs to the spec ===
+
+
+def _read_weights(weights_path, heads, label, architecture_name=None):
+    """(the file's arrays, the same in the original layout): read once, with room for the arrays of any float
+    type (an .npz declaring more is refused unread); `heads` splits a timm or transformers file's attention."""
+    import tensorflow as tf
+
+    raw = read_checkpoint(weights_path, max_bytes=8 * tf.io.gfile.stat(weights_path).length + 2**20)
+    torch_layout = timm.MARKER in raw or transformers.is_transformers(raw)
+    if torch_layout and heads is None:
+        raise PretrainedError(
+            f"{label!r}: the number of attention heads is in no config (timm architecture "
+            f"{architecture_name!r}); pass num_heads=."
+        )
+    params, _, _, _ = model_io.to_original_layout(raw, heads or 1)
+    if torch_layout and POSEMB not in params:
+        raise PretrainedError(f"{label!r} has no position embeddings (timm's 'pos_embed'): not a ViT built here.")
+    return raw, params
+
+
+def _check_pool(pool, classifier, label):
+    """A PretrainedError when the config's global pool (None: no config) is not the arrays' `classifier`."""
+    if pool is None:
+        return
+    expected = {"token": "token", "avg": "gap", "map": "map"}.get(pool)
+    if expected != classifier:
+        raise PretrainedError(
+            f"{label!r}: global_pool={pool!r} with the arrays of a classifier={classifier!r} model; "
+            "read: 'token' (with a class token), 'avg' (without one), 'map' (a MAP head)."
+        )
+
+
+def _size_from_grid(params, arguments, label):
+    """The image size of a checkpoint's square grid of position embeddings (224 for fixed sin-cos ones)."""
+    if arguments["position_embedding"] != "learned":
+        return (224, 224)
+    side = square_side(params[POSEMB].shape[1] - (arguments["classifier"] == "token"))
+    if side is None:
+        raise PretrainedError(
+            f"{label!r}: the position embeddings ({params[POSEMB].shape[1]} rows) are not a square grid and no "
+            "config gives the image size; pass image_size=."
+        )
+    stride = 1
+    if "variant" in arguments:
+        from keras_vit.resnet import ResNetStem
+
+        stride = ResNetStem.stride(HYBRIDS[arguments["variant"]][1])
+    return tuple(side * p * stride for p in arguments["patch_size"])
+
+
+def _statistic(preprocessing, key):
+    """The model's pixel mean or std: None for 0.5 (the [-1, 1] rescaling of the original weights)."""
+    if preprocessing is None or np.allclose(preprocessing[key], 0.5):
+        return None
+    return tuple(float(v) for v in preprocessing[key])
+
+
+def _preprocessing(arguments, size):
+    """The model's `Preprocessing`: the file's, at the model's size where that was changed."""
+    if arguments is None:  # The original checkpoints: squashed to the model's size, bilinear.
+        return Preprocessing(size, size, keep_aspect_ratio=False, interpolation="bilinear")
+    arguments = dict(arguments)
+    if "crop_fraction" in arguments:
+        return Preprocessing.center_crop(size, arguments.pop("crop_fraction"), **arguments)
+    crop, resize = arguments.pop("image_size"), arguments.pop("resize_size")
+    return Preprocessing(crop, resize, **arguments).at_size(size)  # Scaled with the model.
