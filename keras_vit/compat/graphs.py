@@ -21,13 +21,13 @@ def _check_concrete_function(entry, concrete_function):
 def convert_variables_to_constants(concrete_function):
     """A copy of `concrete_function` with every variable it reads replaced by a constant of its value.
 
-    The frozen graph can be imported into a `tf.Graph` and run by a session with no variables to initialise, which
-    is how TensorFlow collects its own per-op step statistics after its graph optimiser has run.
+    The frozen graph can be imported into a `tf.Graph` and run by a session with no variables to initialise,
+    which is how TensorFlow collects its own per-op step statistics after its graph optimiser has run.
 
     Written for TensorFlow 2.21.  Relies on
     `tensorflow.python.framework.convert_to_constants.convert_variables_to_constants_v2(func)`. The public
-    `tf.compat.v1.graph_util.convert_variables_to_constants` works on TF1 sessions and graph defs only, not on TF2
-    concrete functions.
+    `tf.compat.v1.graph_util.convert_variables_to_constants` works on TF1 sessions and graph defs only, not on
+    TF2 concrete functions.
     """
     _check_concrete_function("convert_variables_to_constants", concrete_function)
     convert = resolve("convert_variables_to_constants", *_CONVERT)
@@ -40,16 +40,17 @@ _OPTIMIZE_GRAPH = ("tensorflow.python.grappler.tf_optimizer", "OptimizeGraph")
 def grappler_op_types(concrete_function):
     """`collections.Counter` of the op types in `concrete_function`'s graph after TensorFlow's Grappler ran.
 
-    The graph is optimised as a session on this machine would before running it: every node placed on the local CPU,
-    the function's outputs fetched, its inputs fed, Grappler with its default passes (a default ConfigProto). That
-    is where oneDNN's fusions happen (FusedBatchNormV3-based layer norms into `_MklLayerNorm`, MatMul + BiasAdd +
-    activation into one op, ...). Some fusions need constant weights (the layer norm's scale and offset, for one):
-    pass `convert_variables_to_constants(f)` to see the graph a frozen model gets.  Ops inside functions the graph
-    still calls are not counted.
+    The graph is optimised as a session on this machine would before running it: every node placed on the
+    local CPU, the function's outputs fetched, its inputs fed, Grappler with its default passes (a default
+    ConfigProto). That is where oneDNN's fusions happen (FusedBatchNormV3-based layer norms into
+    `_MklLayerNorm`, MatMul + BiasAdd + activation into one op, ...). Some fusions need constant weights (the
+    layer norm's scale and offset, for one): pass `convert_variables_to_constants(f)` to see the graph a
+    frozen model gets.  Ops inside functions the graph still calls are not counted.
 
-    Written for TensorFlow 2.21.  Relies on `tensorflow.python.grappler.tf_optimizer.OptimizeGraph(config_proto,
-    metagraph, verbose)`, the Python entry point TensorFlow's own Grappler tests use.  No public API returns the
-    graph Grappler produces: sessions and tf.function run it internally and never hand it back.
+    Written for TensorFlow 2.21.  Relies on
+    `tensorflow.python.grappler.tf_optimizer.OptimizeGraph(config_proto, metagraph, verbose)`, the Python
+    entry point TensorFlow's own Grappler tests use.  No public API returns the graph Grappler produces:
+    sessions and tf.function run it internally and never hand it back.
     """
     _check_concrete_function("grappler_op_types", concrete_function)
     optimize = resolve("grappler_op_types", *_OPTIMIZE_GRAPH)

@@ -47,9 +47,10 @@ def patch_keras_for_multi_worker_fit():
 
     Keras fails there in two places (keras-team/keras issue 20585, tensorflow/tensorflow issue 72388):
 
-    1. `TensorFlowTrainer._maybe_symbolic_build` builds the model from one batch, which it first MEAN-reduces across
-    replicas; under MultiWorkerMirroredStrategy that reduction is a collective op on the (uint8) image batch and
-    fails.  The batch is only needed for its shapes and dtypes, so the replacement takes the local replica's value.
+    1. `TensorFlowTrainer._maybe_symbolic_build` builds the model from one batch, which it first MEAN-reduces
+       across replicas; under MultiWorkerMirroredStrategy that reduction is a collective op on the (uint8)
+       image batch and fails.  The batch is only needed for its shapes and dtypes, so the replacement takes
+       the local replica's value.
     2. `reduce_per_replica` MEAN-reduces the step's metrics with `axis=0`; they are scalars, so the collective
     reduction fails.  The replacement reduces scalars with `axis=None`.
 
@@ -58,10 +59,10 @@ def patch_keras_for_multi_worker_fit():
 
     Written for Keras 3.15 with TensorFlow 2.21.  Relies on `keras.src.backend.tensorflow.trainer`: replaces
     `TensorFlowTrainer._maybe_symbolic_build(self, iterator=None, data_batch=None)` and the module function
-    `reduce_per_replica(values, strategy, reduction)` (which the train and test steps look up by name), and calls
-    `_collective_all_reduce_multi_worker(strategy)`, `_is_per_replica_instance(obj)`,
-    `TensorFlowTrainer._symbolic_build` and reads `_distribute_strategy`.  No public API reaches either step: the
-    failing reductions happen inside `fit` before any callback or `train_step` override runs.
+    `reduce_per_replica(values, strategy, reduction)` (which the train and test steps look up by name), and
+    calls `_collective_all_reduce_multi_worker(strategy)`, `_is_per_replica_instance(obj)`,
+    `TensorFlowTrainer._symbolic_build` and reads `_distribute_strategy`.  No public API reaches either step:
+    the failing reductions happen inside `fit` before any callback or `train_step` override runs.
 
     Raises PrivateApiError when any of those changed.
     """

@@ -53,22 +53,22 @@ class ClipAfterAllReduce:
     """Mixin for Keras optimizers: clip the global gradient after the cross-replica sum, not before.
 
     Keras clips in `_backend_apply_gradients` (`_clip_gradients`), then `_backend_update_step` all-reduces the
-    clipped per-replica gradients across replicas, so under a multi-replica strategy `global_clipnorm` clips each
-    replica's share on its own and the update depends on the number of replicas.  With this mixin, clipping is
-    skipped there and done in `_backend_update_step` on the all-reduced gradient, between Keras'
-    `_all_reduce_sum_gradients` and `_distributed_tf_update_step` (run through `maybe_merge_call`, as Keras does):
-    the update a single device makes with the same global batch.  With one replica (or another backend) it changes
-    nothing.
+    clipped per-replica gradients across replicas, so under a multi-replica strategy `global_clipnorm` clips
+    each replica's share on its own and the update depends on the number of replicas.  With this mixin,
+    clipping is skipped there and done in `_backend_update_step` on the all-reduced gradient, between Keras'
+    `_all_reduce_sum_gradients` and `_distributed_tf_update_step` (run through `maybe_merge_call`, as Keras
+    does): the update a single device makes with the same global batch.  With one replica (or another backend)
+    it changes nothing.
 
     Written for Keras 3.15 with TensorFlow 2.21.  Relies on the TensorFlow-backend optimizer's private
     `_clip_gradients(grads)`, `_backend_update_step(grads, trainable_variables, learning_rate)`,
     `_all_reduce_sum_gradients(grads_and_vars)`, `_distributed_tf_update_step(distribution, grads_and_vars,
     learning_rate)`, its `_distribution_strategy` attribute and
-    `tf.__internal__.distribute.interim.maybe_merge_call`.  No public hook runs between the cross-replica sum and
-    the update; clipping in the public `apply` would need a second all-reduce of every gradient.
+    `tf.__internal__.distribute.interim.maybe_merge_call`.  No public hook runs between the cross-replica sum
+    and the update; clipping in the public `apply` would need a second all-reduce of every gradient.
 
-    Created under a multi-replica strategy, an optimizer with this mixin raises PrivateApiError when those APIs
-    changed, rather than clipping per replica without saying so.
+    Created under a multi-replica strategy, an optimizer with this mixin raises PrivateApiError when those
+    APIs changed, rather than clipping per replica without saying so.
     """
 
     def __init__(self, *args, **kwargs):
@@ -114,15 +114,15 @@ _EMA_ATTRIBUTES = {"_trainable_variables", "_model_variables_moving_average"}
 
 class LearningRateScales:
     """Mixin for Keras optimizers: each variable's learning rate, and its decoupled weight decay (as in PyTorch's
-    parameter groups), multiplied by its factor in `learning_rate_scales` ({variable.path: factor}; 1 for a variable
-    not named).  Without scales, the optimizer is Keras' own.
+    parameter groups), multiplied by its factor in `learning_rate_scales` ({variable.path: factor}; 1 for a
+    variable not named).  Without scales, the optimizer is Keras' own.
 
-    Written for Keras 3.15 with TensorFlow 2.21.  `update_step(gradient, variable, learning_rate)` is the method to
-    override, but it receives the variable (under a `tf.distribute` strategy, one replica's copy), not its name: the
-    factor is found through the private `_get_variable_index` and `_trainable_variables`, and the weight decay,
-    applied here at the scaled rate instead of in `_apply_weight_decay` at one rate for all, through the private
-    `_use_weight_decay`.  No public hook takes a per-variable rate.  Made with scales, it raises PrivateApiError
-    when those APIs changed.
+    Written for Keras 3.15 with TensorFlow 2.21.  `update_step(gradient, variable, learning_rate)` is the
+    method to override, but it receives the variable (under a `tf.distribute` strategy, one replica's copy),
+    not its name: the factor is found through the private `_get_variable_index` and `_trainable_variables`,
+    and the weight decay, applied here at the scaled rate instead of in `_apply_weight_decay` at one rate for
+    all, through the private `_use_weight_decay`.  No public hook takes a per-variable rate.  Made with
+    scales, it raises PrivateApiError when those APIs changed.
     """
 
     def __init__(self, *args, learning_rate_scales=None, **kwargs):
@@ -163,12 +163,13 @@ class LearningRateScales:
 
 def swap_moving_average(optimizer):
     """Exchanges, exactly, the values of the model's trainable variables and of `optimizer`'s moving average
-    of them (`use_ema=True`, or a `LossScaleOptimizer` around such an optimizer).  Outside the training step: under
-    a `tf.distribute` strategy, in its cross-replica context, where an assignment reaches every replica.
+    of them (`use_ema=True`, or a `LossScaleOptimizer` around such an optimizer).  Outside the training step:
+    under a `tf.distribute` strategy, in its cross-replica context, where an assignment reaches every replica.
 
-    Written for Keras 3.15 with TensorFlow 2.21.  The averages are the private `_model_variables_moving_average`, in
-    the order of the private `_trainable_variables`; no public API reads them.  (`keras.callbacks.SwapEMAWeights`
-    swaps by adding and subtracting, which rounds.)  Raises PrivateApiError when those attributes are gone.
+    Written for Keras 3.15 with TensorFlow 2.21.  The averages are the private
+    `_model_variables_moving_average`, in the order of the private `_trainable_variables`; no public API reads
+    them.  (`keras.callbacks.SwapEMAWeights` swaps by adding and subtracting, which rounds.)  Raises
+    PrivateApiError when those attributes are gone.
     """
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     if not getattr(optimizer, "use_ema", False):

@@ -13,8 +13,8 @@ _JAX_UPDATE_PARAMETERS = ("self", "metrics_variables", "unscaled_loss", "x", "y"
 
 def track_loss(model, loss, x):
     """Adds `loss` (one micro-batch's, from `model.compute_loss`) to `model`'s running mean of the loss, weighted
-    by the batch size of `x`, as Keras' TensorFlow training step does; under a `tf.distribute` strategy the loss
-    is first multiplied back by the number of replicas (`compute_loss` divided it for the gradient sum).
+    by the batch size of `x`, as Keras' TensorFlow training step does; under a `tf.distribute` strategy the
+    loss is first multiplied back by the number of replicas (`compute_loss` divided it for the gradient sum).
 
     Written for Keras 3.15 with TensorFlow 2.21.  Relies on the model's private `_loss_tracker` (the
     `keras.metrics.Mean` named "loss" that `compile` makes and `fit` reports) and on
@@ -29,7 +29,8 @@ def track_loss(model, loss, x):
 
 def update_metrics_stateless(model, metrics_variables, unscaled_loss, x, y, y_pred, sample_weight):
     """(logs, new metrics variables): `model`'s metrics and running mean of the loss updated with one
-    micro-batch, on the values `metrics_variables` (the JAX trainer's state), as Keras' JAX training step does.
+    micro-batch, on the values `metrics_variables` (the JAX trainer's state), as Keras' JAX training step
+    does.
 
     Written for Keras 3.15 with TensorFlow 2.21.  Relies on the JAX trainer's private
     `_update_metrics_variables(metrics_variables, unscaled_loss, x, y, y_pred, sample_weight)`; the public
