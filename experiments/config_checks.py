@@ -91,12 +91,23 @@ def _check_augment(augment):
     _real("augment.switch_prob", augment.switch_prob, 0.0, 1.0)
 
 
+DATASET_NAMES = "'digits', 'tfds:NAME[:SPLIT]' or 'folder:PATH'"
+
+
+def check_dataset_name(what, name):
+    """Raises `ConfigError` unless `name` is a data set name the jobs read (`what` names the setting)."""
+    kind, _, rest = str(name).partition(":")
+    if name != "digits" and not (kind in ("tfds", "folder") and rest):
+        raise ConfigError(f"{what} must be {DATASET_NAMES}. Received: {name!r}")
+
+
 def check_config(config):
     """Raises `ConfigError` naming the first field of `config` (a training config, see
     `experiments/configs/common.py`) whose value the job cannot run with; returns `config`.
 
     Cheap: nothing is built, read or written.
     """
+    check_dataset_name("config.dataset", config.dataset)
     _integer("epochs", config.epochs, 1)
     _integer("batch_size", config.batch_size, 1)
     _real("learning_rate", config.learning_rate, 0.0, low_open=True)
@@ -116,7 +127,11 @@ def check_config(config):
     _one_of("verbose", config.verbose, (0, 1, 2))
     _integer("steps_per_execution", config.steps_per_execution, 1)
     if config.backup_every != "epoch":
-        _integer("backup_every", config.backup_every, 1)
+        # From the command line a number arrives as a string: the field's default, "epoch", is one.
+        every = config.backup_every
+        _integer("backup_every", int(every) if isinstance(every, str) and every.isdigit() else every, 1)
+    _real("backup_minutes", config.backup_minutes, 0)
+    _real("grace_seconds", config.grace_seconds, 0, low_open=True)
     try:
         keras.dtype_policies.get(config.precision)
     except (TypeError, ValueError):

@@ -19,20 +19,23 @@ from keras_vit.variants import to_pair
 class Data:
     """What the training job needs of a data set, whatever its source.
 
-    `train` yields batches of (uint8 pixels, one-hot labels), augmented.  For
-    image folders and TFDS it is endless: each host reads its share of the
-    files over and over, so that every host runs the steps `fit` is given
-    (`steps_per_epoch=num_train // global batch`) whatever its share of the
-    images that fail to decode; it is built through the strategy's
-    `distribute_datasets_from_function` when a strategy is given.  The digits
-    are one epoch per pass (`steps_per_epoch` equal to it is fine).
+    `train_from(step)` makes the training batches of (uint8 pixels, one-hot
+    labels), augmented, endless, for a run that starts (or resumes) at batch
+    `step`.  The digits are a function of the position in the stream
+    (`keras_vit.data.training_stream`): a resumed run sees the batches the
+    uninterrupted run saw from that step.  Image folders and TFDS: each host
+    reads its share of the files over and over, so that every host runs the
+    steps `fit` is given (`steps_per_epoch=num_train // global batch`)
+    whatever its share of the images that fail to decode, built through the
+    strategy's `distribute_datasets_from_function` when a strategy is given;
+    a resumed run starts a new shuffle of the files.
 
     Model selection sees `validation` only, a split held out of the training
     data.  The test split is not touched until `make_test()` is called, which
     the job does once training is over.
     """
 
-    train: tf.data.Dataset | tf.distribute.DistributedDataset
+    train_from: Callable[[int], tf.data.Dataset | tf.distribute.DistributedDataset]
     validation: tf.data.Dataset | None  # batches of (uint8 pixels, one-hot labels), every example; None: none held out
     make_test: Callable[[], tf.data.Dataset]  # the test split's batches, every example: called after training
     calibration: tf.data.Dataset  # unaugmented training images, for int8 export
@@ -108,8 +111,9 @@ def load_data(config, strategy=None):
         digits = load_digits(config)
         pipeline = functools.partial(vit_data.make_pipeline, num_classes=digits.num_classes)
         return Data(
-            train=pipeline(
-                digits.train, config.batch_size, training=True, seed=config.seed, max_shift=config.max_shift
+            train_from=lambda step: vit_data.training_stream(
+                digits.train, config.batch_size, num_classes=digits.num_classes, seed=config.seed,
+                max_shift=config.max_shift, start_step=step,
             ),
             validation=pipeline(digits.validation, eval_batch_size, training=False) if digits.validation else None,
             make_test=lambda: pipeline(digits.test, eval_batch_size, training=False),
@@ -144,16 +148,18 @@ def load_data(config, strategy=None):
         num_classes=source.num_classes,
         crop_fraction=config.crop_fraction,
     )
-    if strategy is not None:
-        train = strategy.distribute_datasets_from_function(training_data)
-    else:
-        train = training_data(jax_input_context())
+
+    def train_from(step):  # A new shuffle of the files, whatever the step.
+        if strategy is not None:
+            return strategy.distribute_datasets_from_function(training_data)
+        return training_data(jax_input_context())
+
     counts = {"train": source.num_train, "validation": source.num_validation, "test": source.num_test}
     kind, _, rest = config.dataset.partition(":")
     # A TFDS split by its data set and split string ("tfds:imagenet2012:train[:99%]"); a folder's in words.
     prefix = f"tfds:{rest.partition(':')[0]}:" if kind == "tfds" else ""
     return Data(
-        train=train,
+        train_from=train_from,
         validation=(
             # Read every epoch: cached decoded with config.cache, as a small set affords.
             pipeline(source.validation, batch_size=eval_batch_size, training=False, cache=config.cache)

@@ -10,7 +10,11 @@ epoch with the best accuracy on the validation split), `metrics.json`,
 restarts), `tensorboard/`, `figures/` (with --config.visualize: the attention
 and embedding figures of `keras_vit.visualize` for a few test images) and,
 while it runs, `backup/` (the state of an interrupted run; `fit` resumes from
-it when the same command is run again).
+it, at its step, when the same command is run again).  SIGTERM and SIGINT
+stop the run after the step in flight with a backup (exit status 143, 130); a
+workdir that holds a finished run is refused unless --overwrite; a wrong flag,
+config field or value is one message and exit status 2.  --help lists every
+config field with its default.
 
 Model selection never sees the test split: each epoch is validated on a
 split held out of the training data (config.validation_fraction or
@@ -25,9 +29,11 @@ import csv
 import dataclasses
 import json
 import os
+import signal
 import time
 
 import keras
+import numpy as np
 import tensorflow as tf
 from absl import app, flags, logging
 
@@ -36,6 +42,7 @@ from experiments import config_checks, datasets, evaluations, jobs, models, outp
 from keras_vit import backups, evaluation, export, parallel, training, visualize
 from keras_vit.distribute import STRATEGIES, get_strategy, is_chief
 from keras_vit.files import atomic_path
+from keras_vit.preemption import StopOnSignal
 
 
 def define_flags():
@@ -60,6 +67,9 @@ def define_flags():
         "multi_host": flags.DEFINE_bool(
             "multi_host", False, "JAX on several hosts (a TPU pod slice, GPU hosts): run the same command on every "
             "host; keras.distribution.initialize() connects them first."
+        ),
+        "overwrite": flags.DEFINE_bool(
+            "overwrite", False, "Delete what --workdir holds first, a finished run included, and train from scratch."
         ),
     }
 
@@ -151,6 +161,7 @@ class Run:
     steps_per_epoch: int
     steps_per_execution: int
     exports: list
+    overwrite: bool = False  # Whether build_model deletes what the work directory holds first.
 
     @property
     def scope(self):
@@ -164,33 +175,72 @@ class Run:
 
 @dataclasses.dataclass
 class Fitting:
-    """The `fit` callbacks of a run, and those whose results the report reads."""
+    """The `fit` callbacks of a run, and those the other stages read or set."""
 
     callbacks: list
     throughput: Throughput
     selects: bool  # Whether best.keras is chosen on the validation split.
+    backup: backups.Backup
+    stop: StopOnSignal
+    log: training.CSVLog
 
 
-def train_and_evaluate(config, workdir, strategy=None, callbacks=()):
+class StopAtStep(keras.callbacks.Callback):
+    """Stops `fit` once `backup.step` reaches `total`: a run resumed mid-epoch runs the schedule's steps and no
+    more (its epochs end where the resumed run's steps fill them; its last one is shorter)."""
+
+    def __init__(self, backup, total):
+        super().__init__()
+        self.backup, self.total = backup, total
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.backup.step >= self.total:
+            self.model.stop_training = True
+
+
+def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrite=False):
     """Runs the whole job; returns the metrics it writes to `workdir`.
 
     TensorFlow backend: `strategy` is a `tf.distribute.Strategy`, by default
     one device.  Other backends: no strategy; on JAX the `keras.distribution`
     in force (`keras.distribution.set_distribution`) spreads the work.  The
     batch size in `config` is global.  `callbacks` are added to `fit`'s own.
+    A `workdir` that holds a finished run (its metrics.json) is refused
+    (`FinishedRunError`) unless `overwrite`, which deletes it first; one that
+    holds an interrupted run's backup resumes it.
 
     The stages, each a function of its own: `prepare_run` (every check, the data; nothing written),
     `build_model` (seeded, compiled, under the strategy's scope), `fit_callbacks`, `fit` (resumed from the
     run's backup) and `report` (the test split, model.keras, metrics.json, figures, exports, best.keras).
     """
-    run = prepare_run(config, workdir, strategy)
+    run = prepare_run(config, workdir, strategy, overwrite=overwrite)
     model = build_model(run)
     fitting = fit_callbacks(run, model, callbacks)
     history = fit(run, model, fitting)
     return report(run, model, history, fitting)
 
 
-def prepare_run(config, workdir, strategy=None):
+class FinishedRunError(ValueError):
+    """The work directory holds a finished run, and no --overwrite."""
+
+
+def _check_not_finished(workdir):
+    path = tf.io.gfile.join(workdir, "metrics.json")
+    if not tf.io.gfile.exists(path):
+        return
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            finished = json.load(f)
+        what = f" (test_accuracy {finished['test_accuracy']:.4f})" if "test_accuracy" in finished else ""
+    except (ValueError, KeyError, TypeError):
+        what = ""
+    raise FinishedRunError(
+        f"{workdir} holds a finished run{what}: its {path}. Train into another --workdir, or pass --overwrite "
+        "to delete it and train again."
+    )
+
+
+def prepare_run(config, workdir, strategy=None, *, overwrite=False):
     """Every check and the data, before anything is written: a bad value fails here, before a work directory is
     made or a file replaced. A worker that is not the chief writes under workdir/workers/INDEX."""
     config_checks.check_config(config)
@@ -207,6 +257,8 @@ def prepare_run(config, workdir, strategy=None):
     else:
         worker = _process_index()
         chief = worker == 0
+    if not overwrite:
+        _check_not_finished(workdir)
     if not chief:
         # Every worker runs the same program; only the chief writes the job's
         # outputs, the others write theirs apart (each its own backups too).
@@ -243,13 +295,16 @@ def prepare_run(config, workdir, strategy=None):
             "No validation split (config.validation_fraction=0 and no validation_split): no per-epoch "
             "validation and no best.keras."
         )
-    return Run(config, workdir, strategy, dataset, steps_per_epoch, steps_per_execution, exports)
+    return Run(config, workdir, strategy, dataset, steps_per_epoch, steps_per_execution, exports, overwrite and chief)
 
 
 def build_model(run):
     """The run's model, compiled, under the strategy's scope: the work directory made, the seed and the dtype
     policy set first; the pretrained weights, the frozen backbone, MixUp/CutMix and accumulation as asked."""
     config, dataset = run.config, run.dataset
+    if run.overwrite and tf.io.gfile.exists(run.workdir):
+        logging.warning("--overwrite: deleting %s and what it holds.", run.workdir)
+        tf.io.gfile.rmtree(run.workdir)
     tf.io.gfile.makedirs(run.workdir)
     keras.utils.set_random_seed(config.seed)
     keras.mixed_precision.set_global_policy(config.precision)
@@ -292,37 +347,91 @@ def fit_callbacks(run, model, extra=()):
             tf.io.gfile.join(workdir, "tensorboard"), dataset.validation, num_images=config.tensorboard_figures,
             max_figures=config.tensorboard_figure_epochs or None,
         )]
+    backup = backups.Backup(
+        tf.io.gfile.join(workdir, "backup"),
+        save_freq="epoch" if config.backup_every == "epoch" else int(config.backup_every),
+        save_seconds=config.backup_minutes * 60 or None,
+    )
+    stop = StopOnSignal(backup, config.grace_seconds, workers=_workers(run.strategy))
+    log = training.CSVLog(tf.io.gfile.join(workdir, "log.csv"))
     callbacks = [
-        backups.Backup(tf.io.gfile.join(workdir, "backup"), save_freq=config.backup_every),
+        backup,  # First: the others read its step.
+        stop,
+        StopAtStep(backup, config.epochs * run.steps_per_epoch),
         keras.callbacks.TerminateOnNaN(),
         *averaged,
         *selection,
-        training.CSVLog(tf.io.gfile.join(workdir, "log.csv")),
+        log,
         keras.callbacks.TensorBoard(tf.io.gfile.join(workdir, "tensorboard")),
         throughput,
         *epoch_figures,
         *restored,
         *extra,
     ]
-    return Fitting(callbacks, throughput, bool(selection))
+    return Fitting(callbacks, throughput, bool(selection), backup, stop, log)
+
+
+def _workers(strategy):
+    """How many processes train together: a multi-worker strategy's workers, JAX's processes, else 1."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.process_count()
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    cluster = resolver.cluster_spec().as_dict()
+    return max(1, sum(len(cluster.get(job, ())) for job in ("chief", "worker")))
 
 
 def fit(run, model, fitting):
-    """`model.fit` on the training split, validated on the validation split (never the test split). A killed
-    run started again with the same command resumes from its newest usable backup (weights, optimizer and
-    epoch together), losing at most `backup_every` steps."""
+    """`model.fit` on the training split, validated on the validation split (never the test split).
+
+    A run started again with the same command resumes from its newest usable backup at the step it was
+    written (weights, optimizer and step together; the digits' batches those of the uninterrupted run from
+    that step), losing at most the steps since (`backup_every`, `backup_minutes`); one stopped by SIGTERM or
+    SIGINT wrote its backup after the step in flight and raises `jobs.Stopped`."""
+    config, folder = run.config, tf.io.gfile.join(run.workdir, "backup")
     with run.scope():  # The optimizer's variables are made (and loaded) where the strategy places them.
-        initial_epoch = backups.restore_backup(model, tf.io.gfile.join(run.workdir, "backup"))
-    return model.fit(
-        run.dataset.train,
-        epochs=run.config.epochs,
-        initial_epoch=initial_epoch,
+        epoch, step = backups.restore_position(model, folder)
+    if step is None:  # A backup that recorded no step: written at an epoch's end.
+        step = epoch * run.steps_per_epoch
+    total = config.epochs * run.steps_per_epoch
+    if step:
+        logging.info("Resuming from %s at step %d of %d (epoch %d of %d).", folder, step, total,
+                     step // run.steps_per_epoch + 1, config.epochs)  # fmt: skip
+    else:
+        _clear_earlier_attempt(run.workdir)
+    fitting.backup.start_step = step
+    fitting.log.first_epoch = step // run.steps_per_epoch
+    history = model.fit(
+        run.dataset.train_from(step),
+        epochs=config.epochs,
+        initial_epoch=step // run.steps_per_epoch,
         # Image sets repeat: each host runs the same steps whatever its share of skipped files.
         steps_per_epoch=run.steps_per_epoch,
         validation_data=run.dataset.validation,
         callbacks=fitting.callbacks,
-        verbose=run.config.verbose,  # 1: a progress bar, 2: a line per epoch (logs)
+        shuffle=False,  # The pipelines shuffle.
+        verbose=config.verbose,  # 1: a progress bar, 2: a line per epoch (logs)
     )
+    stop = fitting.stop
+    if stop.signal_number is not None:
+        raise jobs.Stopped(
+            f"Stopped by {signal.Signals(stop.signal_number).name} at step {fitting.backup.step} of {total}; "
+            f"the state is in {stop.backup_path}. Run the same command to resume from it.", stop.exit_code(),
+        )
+    return history
+
+
+def _clear_earlier_attempt(workdir):
+    """Before a run starts at step 0: the log and TensorBoard events of an earlier attempt in `workdir` that
+    left no backup, removed, so that they never mix with this run's."""
+    for name in ("log.csv", "tensorboard"):
+        path = tf.io.gfile.join(workdir, name)
+        if tf.io.gfile.exists(path):
+            logging.warning("No backup to resume from: removing %s of an earlier attempt.", path)
+            (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
 
 
 def report(run, model, history, fitting):
@@ -355,9 +464,7 @@ def report(run, model, history, fitting):
         "skipped_examples": dataset.skipped.paths[:100],
     }
     if dataset.validation is not None:
-        metrics["validation_loss"], metrics["validation_accuracy"] = map(
-            float, model.evaluate(dataset.validation, verbose=0)
-        )
+        metrics["validation_loss"], metrics["validation_accuracy"] = plain_loss_and_accuracy(model, dataset.validation)
     # Did the position embeddings learn the grid structure of the paper's Figure 7?
     metrics.update(visualize.neighbour_similarity(visualize.position_embedding_similarity(model)))
     if config.visualize:
@@ -379,16 +486,27 @@ def report(run, model, history, fitting):
     return metrics
 
 
+def plain_loss_and_accuracy(model, batches):
+    """(the cross-entropy without label smoothing, top-1 accuracy) of `model` on `batches` of (images, one-hot
+    labels): every loss in metrics.json is on this scale, the test split's from `evaluation.evaluate` too."""
+    logits = model.predict(batches.map(lambda images, labels: images), verbose=0).astype(np.float64)
+    labels = np.concatenate([labels for _, labels in batches.as_numpy_iterator()])
+    top = logits.max(axis=-1, keepdims=True)
+    log_probabilities = logits - top - np.log(np.exp(logits - top).sum(axis=-1, keepdims=True))
+    loss = -np.mean(np.sum(labels * log_probabilities, axis=-1))
+    return float(loss), float(np.mean(np.argmax(logits, -1) == np.argmax(labels, -1)))
+
+
 def report_best(run, model, test_ds, extra):
     """best.keras, the model selected on the validation split, on the same data as the final model: its
     metrics; its accuracy on the extra test sets goes into `extra`. The final model is saved by then: its
     variables are reused."""
     model.load_weights(run.best_path)
     metrics = {}
-    metrics["best_validation_loss"], metrics["best_validation_accuracy"] = map(
-        float, model.evaluate(run.dataset.validation, verbose=0)
+    metrics["best_validation_loss"], metrics["best_validation_accuracy"] = plain_loss_and_accuracy(
+        model, run.dataset.validation
     )
-    metrics["best_test_loss"], metrics["best_test_accuracy"] = map(float, model.evaluate(test_ds, verbose=0))
+    metrics["best_test_loss"], metrics["best_test_accuracy"] = plain_loss_and_accuracy(model, test_ds)
     for name, result in evaluations.extra_evaluations(run.config, model, run.strategy).items():
         if "accuracy" in result:
             extra[name]["best_accuracy"] = result["accuracy"]
@@ -440,7 +558,7 @@ def main(cli):
         strategy = get_strategy(cli.strategy.value, cli.tpu.value)
     else:
         strategy = None
-    metrics = train_and_evaluate(config, workdir, strategy)
+    metrics = train_and_evaluate(config, workdir, strategy, overwrite=cli.overwrite.value)
     logging.info("Metrics: %s", metrics)
     print(json.dumps(metrics, indent=2))
     where = workdir if "://" in workdir else os.path.abspath(workdir)

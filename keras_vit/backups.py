@@ -2,24 +2,27 @@
 
 A backup is a pair of files in its folder (local or gs://), numbered in the order they were written:
 `state-NNNNNNNN.weights.h5` (the model's and the optimizer's variables, as `model.save_weights` writes them)
-and `state-NNNNNNNN.json` (the epoch to resume from, written after the weights: a backup without its JSON is
-incomplete and is never used). Both are written through `keras_vit.files`, so a failed write leaves no
-partial file, and the last two backups are kept.
+and `state-NNNNNNNN.json` (the epoch and the step, counted in batches, to resume from, written after the
+weights: a backup without its JSON is incomplete and is never used). Both are written through
+`keras_vit.files`, so a failed write leaves no partial file, and the last two backups are kept.
 
 `restore_backup(model, folder)` loads the newest usable backup before `fit` and returns the epoch to pass as
-`fit(initial_epoch=...)`: weights and epoch come from the same backup or not at all. A damaged newest backup
-(a truncated weights file, a JSON that does not parse) is named in a warning and the previous one is used;
-with none usable, `BackupError` names the files and how to start over. Unlike `keras.callbacks.BackupAndRestore`
-(one pair of files written in place, the epoch restored through the model's private state), a crash while
-saving or a damaged file never blocks the next restart.
+`fit(initial_epoch=...)`: weights and epoch come from the same backup or not at all; `restore_position`
+returns the step too, for a run that resumes mid-epoch (its data positioned at that step). A damaged newest
+backup (a truncated weights file, a JSON that does not parse) is named in a warning and the previous one is
+used; with none usable, `BackupError` names the files and how to start over. Unlike
+`keras.callbacks.BackupAndRestore` (one pair of files written in place, the epoch restored through the model's
+private state), a crash while saving or a damaged file never blocks the next restart.
 """
 
 import json
 import logging
 import re
+import time
 import warnings
 
 import keras
+import numpy as np
 
 from keras_vit.files import atomic_path, write_text_atomically
 
@@ -53,24 +56,43 @@ def _paths(folder, serial):
 
 
 class Backup(keras.callbacks.Callback):
-    """Saves the run's state into `folder` every epoch (`save_freq="epoch"`) or every `save_freq` steps,
-    keeping the last `keep` backups; removes the folder when training ends (the run is complete).
+    """Saves the run's state into `folder` every epoch (`save_freq="epoch"`) or every `save_freq` steps, and
+    also every `save_seconds` seconds of training when given, keeping the last `keep` backups; removes the
+    folder when training ends with every step of `fit` done (the run is complete).
 
-    Pair it with `restore_backup(model, folder)` before `fit`, passing what it returns as `initial_epoch`.
+    It counts the run's steps (batches) in `step`, from `start_step` (the step a resumed run starts at:
+    `restore_position`'s; by default the optimizer's step counter when `fit` begins); every `save_freq` steps
+    means at the run's steps `save_freq`, 2 `save_freq`, ...  Set `keep_at_end` to keep the backups when
+    `fit` ends (a run stopped by a signal after its last step still has its report to write).  Pair it with
+    `restore_backup(model, folder)` before `fit`, passing what it returns as `initial_epoch`.
     """
 
-    def __init__(self, folder, save_freq="epoch", keep=2):
+    def __init__(self, folder, save_freq="epoch", keep=2, save_seconds=None):
         super().__init__()
         if save_freq != "epoch" and (not isinstance(save_freq, int) or isinstance(save_freq, bool) or save_freq < 1):
             raise ValueError(f"`save_freq` must be 'epoch' or a positive integer. Received: save_freq={save_freq!r}")
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"`keep` must be a positive integer. Received: keep={keep!r}")
+        if save_seconds is not None and not save_seconds > 0:
+            raise ValueError(f"`save_seconds` must be > 0 or None. Received: save_seconds={save_seconds!r}")
         self.folder, self.save_freq, self.keep = str(folder).rstrip("/"), save_freq, keep
+        self.save_seconds = save_seconds
+        self.start_step = None
+        self.step = 0
+        self.keep_at_end = False
         self._epoch = 0
-        self._steps = 0
+        self._epoch_start = 0
+        self._saved_at = time.monotonic()
+
+    def on_train_begin(self, logs=None):
+        if self.start_step is not None:
+            self.step = self.start_step
+        else:
+            self.step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        self._saved_at = time.monotonic()
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch  # Saved mid-epoch, the run resumes at this epoch's start with the weights so far.
+        self._epoch, self._epoch_start = epoch, self.step
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch = epoch + 1
@@ -78,12 +100,16 @@ class Backup(keras.callbacks.Callback):
             self.save()
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.save_freq != "epoch":
-            self._steps += 1
-            if self._steps % self.save_freq == 0:
-                self.save()
+        self.step = self._epoch_start + batch + 1
+        if self.save_freq != "epoch" and self.step % self.save_freq == 0:
+            self.save()
+        elif self.save_seconds is not None and time.monotonic() - self._saved_at >= self.save_seconds:
+            self.save()
 
     def on_train_end(self, logs=None):
+        epochs, steps = self.params.get("epochs"), self.params.get("steps")
+        if self.keep_at_end or (epochs is not None and steps is not None and self.step < epochs * steps):
+            return  # Stopped early (a signal, a NaN): the backup is what a rerun resumes from.
         gfile = _gfile()
         if gfile.isdir(self.folder):
             gfile.rmtree(self.folder)
@@ -97,16 +123,36 @@ class Backup(keras.callbacks.Callback):
         weights, metadata = _paths(self.folder, serial)
         with atomic_path(weights, suffix=".weights.h5") as temporary:
             self.model.save_weights(temporary)
-        write_text_atomically(metadata, json.dumps({"epoch": self._epoch, "weights": weights.rsplit("/", 1)[1]}))
+        position = {
+            "epoch": self._epoch, "step": self.step, "weights": weights.rsplit("/", 1)[1],
+            "random_states": [keras.ops.convert_to_numpy(v).tolist() for v in _random_states(self.model)],
+        }
+        write_text_atomically(metadata, json.dumps(position))
+        self._saved_at = time.monotonic()
         for old in [serial, *states][self.keep :]:
             for path in _paths(self.folder, old):
                 if gfile.exists(path):
                     gfile.remove(path)
+        return metadata
+
+
+def _random_states(model):
+    """The model's random generators' states (dropout, stochastic depth), in the model's order: `save_weights`
+    leaves them out, and a resumed run draws what the uninterrupted run would have drawn only with them restored.
+    (Their names carry a counter of the process, so they are matched by order.)"""
+    return [v for v in model.non_trainable_variables if v.path.endswith("seed_generator_state")]
 
 
 def restore_backup(model, folder):
     """Loads the newest usable backup in `folder` into `model` (compiled, with its optimizer) and returns the
-    epoch to resume from; 0 when there is none.
+    epoch to resume from; 0 when there is none.  See `restore_position`."""
+    return restore_position(model, folder)[0]
+
+
+def restore_position(model, folder):
+    """Loads the newest usable backup in `folder` into `model` (compiled, with its optimizer) and returns
+    (epoch, step): the epoch in progress or next when it was written, and the batches trained (None for a
+    backup that did not record them); (0, 0) when there is none.
 
     A backup is usable when its JSON parses and names an epoch and its weights file loads. A damaged one is
     named in a warning and the one before it is tried. Raises `BackupError` naming the files when backups are
@@ -123,9 +169,12 @@ def restore_backup(model, folder):
         weights, metadata = _paths(folder, serial)
         try:
             with gfile.GFile(metadata, "r") as f:
-                epoch = json.loads(f.read())["epoch"]
+                position = json.loads(f.read())
+            epoch, step = position["epoch"], position.get("step")
             if not isinstance(epoch, int) or epoch < 0:
                 raise ValueError(f"'epoch' is {epoch!r}; expected an integer >= 0")
+            if step is not None and (not isinstance(step, int) or step < 0):
+                raise ValueError(f"'step' is {step!r}; expected an integer >= 0")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 model.load_weights(weights)
@@ -134,16 +183,21 @@ def restore_backup(model, folder):
             skipped = [str(w.message) for w in caught if "Skipping variable loading" in str(w.message)]
             if skipped:
                 raise ValueError(skipped[0])
+            states, saved = _random_states(model), position.get("random_states")
+            if saved is not None and len(saved) != len(states):
+                raise ValueError(f"it holds {len(saved)} random generators' states; the model has {len(states)}")
+            for variable, state in zip(states, saved or ()):
+                variable.assign(np.asarray(state, dtype=variable.dtype))
         except Exception as error:  # Any failure to read one backup means: try the one before it.
             problems.append(f"{metadata} / {weights}: {type(error).__name__}: {error}")
             log.warning("Backup %s is damaged or incomplete (%s); trying the one before it.", metadata, error)
             continue
         if problems:
             log.warning("Resumed from the older backup %s (epoch %d).", metadata, epoch)
-        return epoch
+        return epoch, step
     if problems:
         raise BackupError(
             f"No usable backup in {folder}: " + "; ".join(problems)
             + f". Delete {folder} to start the run over (its other outputs stay)."
         )
-    return 0
+    return 0, 0

@@ -235,22 +235,28 @@ class CSVLog(keras.callbacks.Callback):
     Keras's CSVLogger fails on remote paths (keras 3.15: it asks the GFile for
     `closed`) and object stores cannot append, so the whole file is rewritten
     after each epoch, whole or not at all (`keras_vit.files.atomic_path`).
-    Rows already in the file (a resumed run) are kept.
+    Rows already in the file (a resumed run) are kept, but for those of epochs
+    from `first_epoch` on (set it to the epoch a resumed run starts at): an
+    epoch is logged once, by the run that finished it last.
     """
 
     def __init__(self, path):
         super().__init__()
         self.path = path
         self.header, self.rows = None, []
+        self.first_epoch = None
 
     def on_train_begin(self, logs=None):
         import tensorflow as tf
 
+        self.header, self.rows = None, []
         if tf.io.gfile.exists(self.path):
             with tf.io.gfile.GFile(self.path, "r") as f:
                 lines = f.read().splitlines()
             if lines:
                 self.header, self.rows = lines[0].split(","), lines[1:]
+        if self.first_epoch is not None:
+            self.rows = [row for row in self.rows if int(row.split(",", 1)[0]) < self.first_epoch]
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}

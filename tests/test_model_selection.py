@@ -454,9 +454,9 @@ def test_the_config_reaches_the_training_pipeline(tmp_path, monkeypatch):
     config = digits_config.get_config()
     config.dataset, config.shuffle_buffer, config.cache = f"folder:{root}", 123, True
     config.data_service, config.augment.crop_area_range = "grpc://localhost:5050", (0.05, 1.0)
-    datasets.load_data(config)
+    datasets.load_data(config).train_from(0)  # The training data is made when the run knows its step.
     config.data_service = ""
-    datasets.load_data(config)
+    datasets.load_data(config).train_from(0)
     assert [(k["shuffle_buffer"], k["cache"], k["crop_area_range"], k["data_service"]) for k in seen] == [
         (123, True, (0.05, 1.0), "grpc://localhost:5050"), (123, True, (0.05, 1.0), None)
     ]

@@ -111,7 +111,10 @@ def add_optimisation_fields(config):
 def add_execution_fields(config):
     """How the steps run: steps per execution, backups, precision, XLA, logging and TensorBoard figures."""
     config.steps_per_execution = 1  # > 1 keeps TPUs busy.
-    config.backup_every = "epoch"  # BackupAndRestore: "epoch" or a number of steps.
+    config.backup_every = "epoch"  # keras_vit.backups.Backup: "epoch" or a number of steps.
+    config.backup_minutes = 10.0  # Also a backup after this many minutes of training; 0: none.
+    # On SIGTERM or SIGINT: the step in flight, a backup, then exit 143 or 130 within this many seconds.
+    config.grace_seconds = 30.0
     config.precision = "float32"  # or "mixed_bfloat16", "mixed_float16".
     config.jit_compile = "auto"  # "on", "off"; see keras_vit.training.resolve_jit_compile.
     config.verbose = 2  # 1: progress bar, 2: a line per epoch.

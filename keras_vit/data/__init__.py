@@ -97,7 +97,7 @@ from keras_vit.data.header import (
     image_format,
 )
 from keras_vit.data.image_source import ImageSource, check_fraction, input_pipelines
-from keras_vit.data.pipeline import image_pipeline, make_pipeline, training_pipeline
+from keras_vit.data.pipeline import image_pipeline, make_pipeline, training_pipeline, training_stream
 from keras_vit.data.randaugment import RANDAUGMENT_OPS, apply_op, draw_ops, rand_augment
 from keras_vit.data.sources import load_image_source
 from keras_vit.data.tfds import load_tfds, load_tfds_evaluation
@@ -155,5 +155,6 @@ __all__ = [
     "record_failures",
     "resize_flip",
     "training_pipeline",
+    "training_stream",
     "UNNAMED_REFUSAL",
 ]

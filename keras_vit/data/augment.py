@@ -12,11 +12,14 @@ from keras_vit.data.header import IMAGE_MAGIC, check_jpeg, check_other_formats
 from keras_vit.data.randaugment import rand_augment
 
 
-def random_translate(image, max_shift):
-    """Shifts one (H, W, C) image by up to `max_shift` pixels each way, zero padded."""
+def random_translate(image, max_shift, seed=None):
+    """Shifts one (H, W, C) image by up to `max_shift` pixels each way, zero padded; with `seed` (a shape [2]
+    integer tensor) by a shift that is a function of it."""
     if max_shift <= 0:
         return image
     padded = tf.pad(image, [[max_shift, max_shift], [max_shift, max_shift], [0, 0]])
+    if seed is not None:
+        return tf.image.stateless_random_crop(padded, tf.shape(image), seed)
     return tf.image.random_crop(padded, tf.shape(image))
 
 

@@ -64,6 +64,42 @@ def make_pipeline(split, batch_size, *, training, num_classes=None, seed=0, max_
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
+def training_stream(split, batch_size, *, num_classes=None, seed=0, max_shift=0, start_step=0):
+    """Endless training batches of (uint8 images, labels) over an in-memory split, from batch `start_step` on.
+
+    Each batch is a function of the seed and its position in the stream alone, so a run resumed at step `s`
+    (`start_step=s`) sees the batches the uninterrupted run saw from its step `s`: epoch `e` takes the first
+    `len(split) // batch_size` batches of a permutation drawn from (seed, e)
+    (`tf.random.experimental.index_shuffle`), and each example's random translation is drawn from (seed, its
+    position).  Batches are whole (static shapes, as XLA and TPUs want); with `num_classes`, labels are one-hot
+    float32, otherwise int32 class indices.
+    """
+    if batch_size < 1 or batch_size > len(split):
+        raise ValueError(
+            f"`batch_size` must be in [1, {len(split)}] (the training split's examples). "
+            f"Received: batch_size={batch_size!r}"
+        )
+    if not isinstance(start_step, int) or start_step < 0:
+        raise ValueError(f"`start_step` must be an integer >= 0. Received: start_step={start_step!r}")
+    images, labels = tf.constant(split.images), tf.constant(split.labels)
+    per_epoch = len(split) // batch_size * batch_size
+
+    def example(position):
+        epoch, index = position // per_epoch, position % per_epoch
+        chosen = tf.random.experimental.index_shuffle(index, tf.stack([tf.constant(seed, tf.int64), epoch]),
+                                                      len(split) - 1)  # fmt: skip
+        image, label = tf.gather(images, chosen), tf.gather(labels, chosen)
+        if max_shift:
+            image = random_translate(image, max_shift, seed=tf.stack([tf.constant(seed, tf.int64), position]))
+        return image, tf.one_hot(label, num_classes) if num_classes else label
+
+    positions = tf.data.Dataset.range(start_step * batch_size, tf.int64.max)
+    ds = positions.map(example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return ds.with_options(options).batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
 def _one_hot_batches(ds, num_classes):
     """Labels one-hot (what label smoothing and batch mixing need), the distribution policy set."""
     ds = ds.map(lambda x, y: (x, tf.one_hot(y, num_classes)))

@@ -1,0 +1,105 @@
+"""Stopping on SIGTERM or SIGINT with the run's state saved: `StopOnSignal`, a `fit` callback.
+
+Cloud TPU spot and preemptible VMs, GKE and most GPU clouds stop a job with SIGTERM and a grace period (about
+30 s) before SIGKILL; Ctrl-C sends SIGINT.  While `fit` runs, `StopOnSignal` catches both: the step in flight
+finishes, its `Backup` writes the state (weights, optimizer and the step, atomically), `fit` stops, and
+`signal_number` tells the caller, which should exit with `exit_code()` (128 + the signal's number, what a
+shell reports for a process the signal ended: 143 for SIGTERM, 130 for SIGINT).  A rerun of the same command
+resumes at that step.
+
+If the step in flight and the backup have not ended `grace_seconds` after the signal, the process exits at once
+with the same code and a message: the previous backup is intact (backups are written whole or not at all).
+A second signal while the first is handled ends the process the same way.  The handlers are installed for the
+duration of `fit` and only in the main thread; the previous ones come back after.
+
+Every worker of a multi-worker job (MultiWorkerMirroredStrategy, TPU pods, JAX on several hosts) would stop
+at its own step, and the others would wait for it in their next collective: there the callback leaves the
+signals alone and logs so (`workers` > 1).
+"""
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+import keras
+
+log = logging.getLogger("keras_vit")
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopOnSignal(keras.callbacks.Callback):
+    """Stops `fit` after the step in flight on SIGTERM or SIGINT, with `backup.save()` written first.
+
+    Args:
+        backup: the run's `keras_vit.backups.Backup` (among `fit`'s callbacks too).
+        grace_seconds: how long the step in flight and the backup may take after the signal.
+        workers: processes training together; above 1 the signals are left alone (see the module).
+    """
+
+    def __init__(self, backup, grace_seconds=30.0, workers=1):
+        super().__init__()
+        if not grace_seconds > 0:
+            raise ValueError(f"`grace_seconds` must be > 0. Received: grace_seconds={grace_seconds!r}")
+        self.backup, self.grace_seconds, self.workers = backup, float(grace_seconds), workers
+        self.signal_number = None
+        self.backup_path = None
+        self._previous = {}
+        self._deadline = None
+
+    def exit_code(self):
+        """128 + the signal's number once one was caught, else None."""
+        return None if self.signal_number is None else 128 + self.signal_number
+
+    def on_train_begin(self, logs=None):
+        self.signal_number, self.backup_path = None, None
+        if self.workers > 1:
+            log.info("%d workers train together: SIGTERM and SIGINT end the job without a backup of their own; "
+                     "it resumes from the last periodic backup.", self.workers)  # fmt: skip
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only.
+        for number in SIGNALS:
+            self._previous[number] = signal.signal(number, self._caught)
+
+    def _caught(self, number, frame):
+        if self.signal_number is not None:  # A second signal: now.
+            self._expire(reason="a second signal arrived")
+        self.signal_number = number
+        name = signal.Signals(number).name
+        log.warning("%s: finishing the step in flight and writing a backup (grace period %g s).", name,
+                    self.grace_seconds)  # fmt: skip
+        self._deadline = threading.Timer(self.grace_seconds, self._expire)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _expire(self, reason=None):
+        reason = reason or f"the grace period of {self.grace_seconds:g} s passed before the step in flight ended"
+        sys.stderr.write(
+            f"Stopped by {signal.Signals(self.signal_number).name}: {reason}. The previous backup in "
+            f"{self.backup.folder} is intact; run the same command to resume from it.\n"
+        )
+        sys.stderr.flush()
+        os._exit(self.exit_code())
+
+    def _stop_if_signalled(self):
+        if self.signal_number is None or self.backup_path is not None:
+            return
+        self.backup_path = self.backup.save()
+        self.backup.keep_at_end = True
+        self.model.stop_training = True
+        if self._deadline is not None:
+            self._deadline.cancel()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._stop_if_signalled()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._stop_if_signalled()  # A signal during validation: the epoch's state.
+
+    def on_train_end(self, logs=None):
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
