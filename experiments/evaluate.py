@@ -25,7 +25,7 @@ import keras
 import tensorflow as tf
 from absl import flags
 
-from experiments import jobs
+from experiments import config_checks, jobs
 from keras_vit import data as vit_data
 from keras_vit import evaluation
 
@@ -98,13 +98,20 @@ def evaluation_data(model, dataset, split, *, data_dir=None, test_fraction=0.2, 
 
 
 def main(cli):
+    config_checks.check_dataset_name("--dataset", cli.dataset.value)
     model = load_model(cli.model.value)
     data, class_names, what, skipped = evaluation_data(
         model, cli.dataset.value, cli.split.value, data_dir=cli.data_dir.value, test_fraction=cli.test_fraction.value,
         seed=cli.seed.value, crop_fraction=cli.crop_fraction.value, batch_size=cli.batch_size.value,
     )
-    if class_names is None or len(class_names) != model.output_shape[-1]:
-        class_names = getattr(model, "class_names", None)
+    classes = model.output_shape[-1]
+    if class_names is not None and len(class_names) != classes:
+        raise ValueError(
+            f"{cli.model.value} has {classes} classes and {what} has {len(class_names)} "
+            f"({', '.join(map(str, class_names[:5]))}{', ...' if len(class_names) > 5 else ''}): evaluate the model "
+            "on data of its own classes."
+        )
+    class_names = class_names or getattr(model, "class_names", None)
     result = evaluation.evaluate(model, data, class_names=class_names, batch_size=cli.batch_size.value)
     result.metrics.update(
         model=str(cli.model.value), dataset=cli.dataset.value, split=str(what),

@@ -3,11 +3,26 @@ never on import, so that the jobs can be imported together, as libraries, withou
 `main` then runs with them.  The helpers the jobs build from (`models`, `datasets`, `evaluations`, `outputs`)
 take a config, never a flag."""
 
+import os
 import sys
 import types
 
+import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
+
+# The exit status of a job stopped by a user error (a bad flag or config value, a missing file, an unknown data
+# set): the message alone, on stderr; KERAS_VIT_TRACEBACK=1 shows where it was raised as well.
+USER_ERROR_EXIT = 2
+
+
+class Stopped(Exception):
+    """A job stopped before its end with its state saved (a signal): it prints the message and exits with
+    `exit_code`."""
+
+    def __init__(self, message, exit_code):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def define_config_and_workdir(config_file, workdir, workdir_help):
@@ -19,6 +34,30 @@ def define_config_and_workdir(config_file, workdir, workdir_help):
     )
 
 
+def help_text(main, job_flags):
+    """What --help prints: the job's docstring, its flags and, for a job with --config, every config field with
+    its default (`--config.FIELD=VALUE` sets one)."""
+    module = sys.modules.get(main.__module__)
+    lines = [(getattr(module, "__doc__", None) or "").strip(), "", "Flags:", flags.FLAGS.main_module_help()]
+    if hasattr(job_flags, "config"):
+        config = flags.FLAGS["config"].default
+        lines += ["", "Config fields (--config.FIELD=VALUE), with their defaults:"]
+        lines += [f"    --config.{name}={value!r}" for name, value in config_fields(config)]
+    return "\n".join(lines)
+
+
+def config_fields(config, prefix=""):
+    """[(dotted name, value)] of every leaf field of a ConfigDict."""
+    fields = []
+    for name in sorted(config.keys()):
+        value = config[name]
+        if isinstance(value, ml_collections.ConfigDict):
+            fields += config_fields(value, f"{prefix}{name}.") if len(value) else [(prefix + name, {})]
+        else:
+            fields.append((prefix + name, value))
+    return fields
+
+
 def run_job(main, define_flags):
     """Runs a job from the command line: `define_flags()` defines its flags and returns them (a dict of name to
     flag holder), absl parses the command line, then `main(flags)` runs with them as attributes.
@@ -26,14 +65,67 @@ def run_job(main, define_flags):
     Called from a job's `if __name__ == "__main__":` block only, so that no
     flag is defined when a job is imported.  Positional arguments are refused.
     """
-    job_flags = types.SimpleNamespace(**define_flags())
+    try:
+        # --config.FIELD overrides are checked against the config as the flags are defined.
+        job_flags = types.SimpleNamespace(**define_flags())
+    except (AttributeError, KeyError, ValueError, TypeError) as error:
+        _refuse_arguments(error)
     for holder in vars(job_flags).values():
         # --help lists the program's own flags: these, wherever they were defined (--config and --workdir here).
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[holder.name])
+    if any(argument in ("--help", "-h", "-?", "--helpshort") for argument in sys.argv[1:]):
+        print(help_text(main, job_flags))
+        sys.exit(0)
 
     def absl_main(argv):
         if len(argv) > 1:
             raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-        main(job_flags)
+        try:
+            main(job_flags)
+        except Stopped as stopped:
+            sys.stderr.write(f"{stopped}\n")
+            sys.exit(stopped.exit_code)
+        except (ValueError, FileNotFoundError, app.UsageError) as error:
+            if os.environ.get("KERAS_VIT_TRACEBACK"):
+                raise
+            sys.stderr.write(f"Error: {error}\n")
+            sys.exit(USER_ERROR_EXIT)
+        except KeyboardInterrupt:  # Outside `fit`, which saves its state on SIGINT itself.
+            sys.stderr.write("Interrupted.\n")
+            sys.exit(130)
 
-    app.run(absl_main)
+    app.run(absl_main, flags_parser=parse_flags)
+
+
+def parse_flags(argv):
+    """absl's parsing of the command line, with a wrong flag or config field told in one message (and a
+    pointer to `--config.FIELD` for a flag that is a config field) and exit status 2, not a traceback."""
+    try:
+        remaining = flags.FLAGS(argv)
+        if "config" in flags.FLAGS:
+            flags.FLAGS.config  # noqa: B018 (the --config.FIELD overrides are applied when it is read)
+        return remaining
+    except flags.UnrecognizedFlagError as error:
+        hint = ""
+        if "config" in flags.FLAGS and error.flagname in flags.FLAGS["config"].default:
+            hint = f" The config field is set with --config.{error.flagname}=VALUE."
+        message = f"Unknown flag --{error.flagname}.{hint}"
+    except Exception as error:  # Parsing and config overrides raise several types; all mean a bad argument.
+        _refuse_arguments(error)
+    _refuse_arguments(message)
+
+
+def _refuse_arguments(error):
+    """Writes what is wrong with the command line (an exception or a message) and exits with status 2."""
+    message = error
+    if not isinstance(error, str):
+        while error.args and isinstance(error.args[0], BaseException):  # config_flags wraps a KeyError.
+            error = error.args[0]
+        text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
+        first, _, rest = text.strip().partition("\n")
+        if isinstance(error, (AttributeError, KeyError)):  # A --config.FIELD the config does not have.
+            message = f"Unknown config field {first}." + (f" {rest.strip()}" if rest else "")
+        else:
+            message = " ".join(text.split())
+    sys.stderr.write(f"Error: {message}\nRun with --help for the flags and the config fields.\n")
+    sys.exit(USER_ERROR_EXIT)

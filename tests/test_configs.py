@@ -43,7 +43,7 @@ def test_unknown_dataset_and_class_mismatch(tmp_path):
 
     config = digits.get_config()
     config.dataset = "imagenet"
-    with pytest.raises(ValueError, match="Unknown image data set 'imagenet'"):
+    with pytest.raises(ValueError, match=r"config.dataset must be 'digits', .*Received: 'imagenet'"):
         train.train_and_evaluate(config, str(tmp_path / "run"))
     config = digits.get_config()
     config.num_classes = 100
