@@ -1,0 +1,232 @@
+"""A training run's life: stopped by SIGTERM or SIGINT with its state saved, resumed at the exact step with the
+uninterrupted run's data and weights, never silently overwritten once finished, and told what went wrong without
+a traceback."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import keras_vit
+from keras_vit import backups
+from keras_vit import data as vit_data
+from keras_vit.preemption import StopOnSignal
+from tests.conftest import ROOT, run_command_line
+
+# === The data: a function of the position in the stream ===
+
+
+def small_split(n=20):
+    rng = np.random.default_rng(0)
+    return vit_data.Split(rng.integers(0, 256, (n, 6, 6, 3), dtype=np.uint8), np.arange(n, dtype=np.int32) % 4)
+
+
+def batches(stream, count):
+    return [tuple(np.asarray(t) for t in batch) for batch in stream.take(count)]
+
+
+def test_a_stream_started_at_a_step_gives_the_batches_the_whole_stream_gives_there():
+    split = small_split()  # 20 examples, batches of 8: 2 batches (16 examples) an epoch.
+    whole = batches(vit_data.training_stream(split, 8, num_classes=4, seed=3, max_shift=1), 7)
+    resumed = batches(vit_data.training_stream(split, 8, num_classes=4, seed=3, max_shift=1, start_step=3), 4)
+    for a, b in zip(whole[3:], resumed, strict=True):
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
+    # Each epoch draws 16 distinct examples of the 20, another 16 in the next epoch.
+    labels = [np.concatenate([whole[2 * e][1], whole[2 * e + 1][1]]) for e in range(3)]
+    assert all(len(epoch) == 16 for epoch in labels)
+    plain = batches(vit_data.training_stream(split, 8, seed=3), 4)
+    first, second = (np.concatenate([plain[i][0], plain[i + 1][0]]).reshape(16, -1) for i in (0, 2))
+    assert len({row.tobytes() for row in first}) == 16 and not np.array_equal(first, second)
+    with pytest.raises(ValueError, match=r"`batch_size` must be in \[1, 20\].*Received: batch_size=21"):
+        vit_data.training_stream(split, 21)
+
+
+# === The library: a signal, a backup at the step, the exact resume ===
+
+
+class SignalAt(keras.callbacks.Callback):
+    """Sends `number` to this process once `backup.step` reaches `step` (before the callbacks after it run)."""
+
+    def __init__(self, backup, step, number=signal.SIGTERM):
+        super().__init__()
+        self.backup, self.step, self.number = backup, step, number
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.backup.step == self.step - 1:  # The backup counts this batch after this callback.
+            os.kill(os.getpid(), self.number)
+
+
+def small_vit():
+    keras.utils.set_random_seed(1)
+    model = keras_vit.build_vit("testing", image_size=6, num_classes=4, patch_size=3, dropout_rate=0.2,
+                                stochastic_depth_rate=0.1, head_kernel_initializer="glorot_uniform")  # fmt: skip
+    model.compile(keras.optimizers.AdamW(1e-2), keras.losses.CategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)  # fmt: skip
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def fit_from(model, folder, step, callbacks=(), epochs=3):
+    backup = backups.Backup(folder, save_freq=4)
+    backup.start_step = step
+    stop = StopOnSignal(backup, grace_seconds=60)
+    stream = vit_data.training_stream(small_split(), 8, num_classes=4, seed=5, max_shift=1, start_step=step)
+    model.fit(stream, epochs=epochs, initial_epoch=step // 2, steps_per_epoch=2, verbose=0, shuffle=False,
+              callbacks=[*(c(backup) for c in callbacks), backup, stop])  # fmt: skip
+    return backup, stop
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_fit_after_the_step_with_a_backup_and_a_resumed_run_ends_as_the_whole_one(tmp_path, number):
+    whole = small_vit()
+    fit_from(whole, str(tmp_path / "whole"), 0)
+    assert int(whole.optimizer.iterations.numpy()) == 6 and not (tmp_path / "whole").exists()  # Done: removed.
+
+    handlers = {n: signal.getsignal(n) for n in (signal.SIGTERM, signal.SIGINT)}
+    stopped = small_vit()
+    backup, stop = fit_from(stopped, str(tmp_path / "run"), 0, [lambda b: SignalAt(b, 3, number)])
+    assert stop.signal_number == number and stop.exit_code() == 128 + number
+    assert int(stopped.optimizer.iterations.numpy()) == 3  # Mid-epoch: the second epoch's first step.
+    with open(stop.backup_path) as f:
+        assert json.load(f)["step"] == 3
+    assert {n: signal.getsignal(n) for n in handlers} == handlers  # The handlers are back.
+
+    resumed = small_vit()
+    epoch, step = backups.restore_position(resumed, str(tmp_path / "run"))
+    assert (epoch, step) == (1, 3)
+
+    class StopAtEnd(keras.callbacks.Callback):
+        def __init__(self, backup):
+            super().__init__()
+            self.backup = backup
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.stop_training = self.backup.step + 1 >= 6
+
+    fit_from(resumed, str(tmp_path / "run"), step, [StopAtEnd])
+    assert int(resumed.optimizer.iterations.numpy()) == 6
+    for a, b in zip(whole.weights, resumed.weights, strict=True):  # Dropout's generators included.
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+
+
+def test_a_fit_stopped_early_keeps_its_backup(tmp_path):
+    model = small_vit()
+    backup = backups.Backup(str(tmp_path / "run"), save_freq=100)
+    model.fit(vit_data.training_stream(small_split(), 8, num_classes=4), epochs=3, steps_per_epoch=2, verbose=0,
+              callbacks=[backup, StopEarly(backup, at=3)])  # fmt: skip
+    assert backup.step == 3 and backups.restore_position(small_vit(), str(tmp_path / "run")) == (1, 3)
+
+
+def test_backups_every_few_seconds_of_training_count_the_runs_steps(tmp_path, monkeypatch):
+    import types
+
+    clock = iter(range(0, 10_000, 7))  # Seconds: 7 s pass between two reads of the Backup's clock.
+    monkeypatch.setattr(backups, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    model = small_vit()
+    backup = backups.Backup(str(tmp_path / "run"), save_freq=100, keep=10, save_seconds=20)
+    model.fit(vit_data.training_stream(small_split(), 8, num_classes=4), epochs=1, steps_per_epoch=6, verbose=0,
+              callbacks=[backup, StopEarly(backup, at=5)])  # fmt: skip
+    steps = sorted(json.loads(path.read_text())["step"] for path in (tmp_path / "run").glob("state-*.json"))
+    assert steps == [3, 5], steps  # 21 s after the start, at step 3; then at the stop.
+
+
+class StopEarly(keras.callbacks.Callback):
+    """Saves a backup and stops `fit` at step `at`, as a stop on NaN after a backup would: the backup is kept."""
+
+    def __init__(self, backup, at=2):
+        super().__init__()
+        self.backup, self.at = backup, at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.backup.step == self.at:
+            self.backup.save()
+            self.model.stop_training = True
+
+
+# === The job: a finished run, user errors, --help ===
+
+
+def test_a_finished_run_is_not_trained_over_without_overwrite(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "metrics.json").write_text(json.dumps({"test_accuracy": 0.9944}))
+    run_command_line("experiments.train", f"--workdir={workdir}", exit_code=2)
+    error = capsys.readouterr().err
+    assert f"{workdir} holds a finished run (test_accuracy 0.9944)" in error and "--overwrite" in error
+    assert "Traceback" not in error
+    assert (workdir / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--config.epoch=5"], r'Did you mean "epochs" instead of "epoch"'),
+    (["--config.precision=bf16"], r"config.precision must be a Keras dtype policy.*'bf16'"),
+    (["--dataset=folder:x"], r"Unknown flag --dataset. The config field is set with --config.dataset=VALUE"),
+    (["--config.dataset=digit"], r"config.dataset must be 'digits', 'tfds:NAME\[:SPLIT\]' or 'folder:PATH'"),
+])  # fmt: skip
+def test_user_errors_are_one_message_and_exit_2(tmp_path, capsys, arguments, message):
+    import re
+
+    run_command_line("experiments.train", f"--workdir={tmp_path / 'run'}", *arguments, exit_code=2)
+    error = capsys.readouterr().err
+    assert re.search(message, error), error
+    assert "Traceback" not in error and not (tmp_path / "run").exists()
+
+
+def test_help_lists_the_config_fields_and_exits_0():
+    printed = run_command_line("experiments.train", "--help", exit_code=0)
+    assert "--workdir" in printed and "--overwrite" in printed
+    assert "    --config.epochs=60" in printed and "--config.model.variant='Ti/2'" in printed
+    assert "--config.grace_seconds=30.0" in printed
+
+
+# === The command: SIGTERM mid-epoch, the rerun resumes and ends as the uninterrupted run ===
+
+TINY = ["--config.epochs=3", "--config.jit_compile=off", "--config.backup_every=4", "--config.visualize=false",
+        "--config.tensorboard_figures=0", "--config.model.num_layers=1", "--config.model.hidden_dim=16",
+        "--config.model.mlp_dim=32", "--config.model.num_heads=2"]  # fmt: skip
+
+
+def command(workdir):
+    return [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *TINY]
+
+
+@pytest.mark.slow
+def test_sigterm_mid_epoch_then_the_same_command_ends_as_the_uninterrupted_run(tmp_path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    whole = subprocess.run(command(tmp_path / "whole"), cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    run = tmp_path / "run"
+    job = subprocess.Popen(command(run), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first_backup = run / "backup" / "state-00000000.json"  # Step 4 of 20 in the first epoch.
+    deadline = time.monotonic() + 600
+    while not first_backup.exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sent = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=120)
+    assert job.returncode == 143, stderr[-3000:]
+    assert time.monotonic() - sent < 30  # Within the default grace period.
+    assert "Stopped by SIGTERM at step" in stderr and "Run the same command to resume" in stderr
+    stopped_at = int(stderr.split("Stopped by SIGTERM at step ")[1].split()[0])
+    assert 4 <= stopped_at < 60 and "Traceback" not in stderr
+
+    resumed = subprocess.run(command(run), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {stopped_at} of 60" in resumed.stderr  # The resume says where it starts.
+    models = [keras.models.load_model(path / "model.keras") for path in (tmp_path / "whole", run)]
+    assert [int(m.optimizer.iterations.numpy()) for m in models] == [60, 60]
+    for a, b in zip(models[0].weights, models[1].weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+    with open(run / "log.csv") as f:
+        assert [line.split(",")[0] for line in f.read().splitlines()[1:]] == ["0", "1", "2"]
+    for noise in ("shuffle=True", "ran out of data"):
+        assert noise not in resumed.stderr and noise not in whole.stderr
