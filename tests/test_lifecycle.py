@@ -85,6 +85,18 @@ def fit_from(model, folder, step, callbacks=(), epochs=3):
 
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_fit_after_the_step_with_a_backup_and_a_resumed_run_ends_as_the_whole_one(tmp_path, number):
+    check_signal_and_resume(tmp_path, number)
+
+
+@pytest.mark.environment("jax")
+def test_on_jax_a_signal_stops_fit_with_a_backup_and_the_resumed_run_ends_as_the_whole_one(tmp_path):
+    assert keras.backend.backend() == "jax"
+    check_signal_and_resume(tmp_path, signal.SIGTERM)
+
+
+def check_signal_and_resume(tmp_path, number):
+    """Three fits of a small ViT with dropout and stochastic depth: whole; stopped by `number` at step 3 (mid
+    epoch); resumed from its backup. The resumed one ends with the whole one's weights, bit for bit."""
     whole = small_vit()
     fit_from(whole, str(tmp_path / "whole"), 0)
     assert int(whole.optimizer.iterations.numpy()) == 6 and not (tmp_path / "whole").exists()  # Done: removed.
