@@ -31,6 +31,7 @@ import json
 import os
 import signal
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -39,7 +40,7 @@ from absl import app, flags, logging
 
 import keras_vit
 from experiments import config_checks, datasets, evaluations, jobs, models, outputs
-from keras_vit import backups, evaluation, export, parallel, training, visualize
+from keras_vit import backups, distribute, evaluation, export, parallel, training, visualize
 from keras_vit.distribute import STRATEGIES, get_strategy, is_chief
 from keras_vit.files import atomic_path
 from keras_vit.preemption import StopOnSignal
@@ -216,8 +217,13 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrit
     run = prepare_run(config, workdir, strategy, overwrite=overwrite)
     model = build_model(run)
     fitting = fit_callbacks(run, model, callbacks)
-    history = fit(run, model, fitting)
-    return report(run, model, history, fitting)
+    with warnings.catch_warnings():
+        # Keras warns so at the end of every split of unknown length (images that fail to decode are skipped,
+        # so an image set's validation and test splits have none) the first time it reads it; the training
+        # data is endless, so the warning can only be about those.
+        warnings.filterwarnings("ignore", message="Your input ran out of data")
+        history = fit(run, model, fitting)
+        return report(run, model, history, fitting)
 
 
 class FinishedRunError(ValueError):
@@ -352,7 +358,10 @@ def fit_callbacks(run, model, extra=()):
         save_freq="epoch" if config.backup_every == "epoch" else int(config.backup_every),
         save_seconds=config.backup_minutes * 60 or None,
     )
-    stop = StopOnSignal(backup, config.grace_seconds, workers=_workers(run.strategy))
+    workers = _workers(run.strategy)
+    # Several TensorFlow workers stop together: each asks the others after every step (one small all-reduce).
+    agree = distribute.any_replica(run.strategy) if workers > 1 and run.strategy is not None else None
+    stop = StopOnSignal(backup, config.grace_seconds, workers=workers, agree=agree)
     log = training.CSVLog(tf.io.gfile.join(workdir, "log.csv"))
     callbacks = [
         backup,  # First: the others read its step.

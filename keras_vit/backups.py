@@ -95,6 +95,9 @@ class Backup(keras.callbacks.Callback):
         self._epoch, self._epoch_start = epoch, self.step
 
     def on_epoch_end(self, epoch, logs=None):
+        steps = self.params.get("steps")
+        if steps is not None and self.step - self._epoch_start < steps:
+            return  # Stopped mid-epoch (a signal, a NaN): its state, if any, is saved already.
         self._epoch = epoch + 1
         if self.save_freq == "epoch":
             self.save()

@@ -131,6 +131,20 @@ def is_chief(strategy):
     return resolver.task_type == "worker" and resolver.task_id == 0 and not has_chief
 
 
+def any_replica(strategy):
+    """A function `agree(flag)` that every worker of `strategy` calls together (the same number of times, as
+    `fit`'s callbacks run): True on all of them when `flag` is True on any.  One all-reduce of one integer
+    across the replicas (`keras_vit.preemption.StopOnSignal`'s agreement under MultiWorkerMirroredStrategy and
+    TPUStrategy)."""
+
+    def agree(flag):
+        # Each replica holds the flag of its worker; their sum crosses every worker (a collective).
+        value = strategy.run(lambda: tf.constant(int(bool(flag)), tf.int32))
+        return int(strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)) > 0
+
+    return agree
+
+
 def patch_keras_for_multi_worker_fit():
     """Makes `model.fit` work under MultiWorkerMirroredStrategy (Keras 3, TensorFlow backend).
 

@@ -12,9 +12,12 @@ with the same code and a message: the previous backup is intact (backups are wri
 A second signal while the first is handled ends the process the same way.  The handlers are installed for the
 duration of `fit` and only in the main thread; the previous ones come back after.
 
-Every worker of a multi-worker job (MultiWorkerMirroredStrategy, TPU pods, JAX on several hosts) would stop
-at its own step, and the others would wait for it in their next collective: there the callback leaves the
-signals alone and logs so (`workers` > 1).
+Every worker of a multi-worker job must stop at the same step, or the others would wait for it in their next
+collective.  Given `agree` (a function every worker calls at the same points, True on all when its argument
+is True on any: `keras_vit.distribute.any_replica(strategy)` for TensorFlow strategies), every worker asks it
+after each step whether any was signalled, and all stop together, each writing its own backup (the chief the
+job's).  With several workers and no `agree` (JAX on several hosts), the callback leaves the signals alone and
+logs so: the job then resumes from its last periodic backup.
 """
 
 import logging
@@ -36,14 +39,15 @@ class StopOnSignal(keras.callbacks.Callback):
     Args:
         backup: the run's `keras_vit.backups.Backup` (among `fit`'s callbacks too).
         grace_seconds: how long the step in flight and the backup may take after the signal.
-        workers: processes training together; above 1 the signals are left alone (see the module).
+        workers: processes training together; above 1, `agree` is needed (else the signals are left alone).
+        agree: with several workers, `agree(signalled)`: True when any worker was signalled.
     """
 
-    def __init__(self, backup, grace_seconds=30.0, workers=1):
+    def __init__(self, backup, grace_seconds=30.0, workers=1, agree=None):
         super().__init__()
         if not grace_seconds > 0:
             raise ValueError(f"`grace_seconds` must be > 0. Received: grace_seconds={grace_seconds!r}")
-        self.backup, self.grace_seconds, self.workers = backup, float(grace_seconds), workers
+        self.backup, self.grace_seconds, self.workers, self.agree = backup, float(grace_seconds), workers, agree
         self.signal_number = None
         self.backup_path = None
         self._previous = {}
@@ -55,7 +59,7 @@ class StopOnSignal(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.signal_number, self.backup_path = None, None
-        if self.workers > 1:
+        if self.workers > 1 and self.agree is None:
             log.info("%d workers train together: SIGTERM and SIGINT end the job without a backup of their own; "
                      "it resumes from the last periodic backup.", self.workers)  # fmt: skip
             return
@@ -85,7 +89,16 @@ class StopOnSignal(keras.callbacks.Callback):
         os._exit(self.exit_code())
 
     def _stop_if_signalled(self):
-        if self.signal_number is None or self.backup_path is not None:
+        if self.backup_path is not None:
+            return
+        signalled = self.signal_number is not None
+        if self.workers > 1 and self.agree is not None:
+            if not self.agree(signalled):  # Every worker asks, at every step: none may skip a collective.
+                return
+            if not signalled:
+                log.warning("Another worker was signalled: stopping at this step with it.")
+                self.signal_number = signal.SIGTERM
+        elif not signalled:
             return
         self.backup_path = self.backup.save()
         self.backup.keep_at_end = True

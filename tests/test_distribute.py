@@ -16,16 +16,28 @@ import keras_vit  # noqa: F401  (registers the classes the saved models need)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 WORKER = """
-import json, sys
-from experiments import train
+import json, os, signal, sys
+import keras
+from experiments import jobs, train
 from experiments.configs import digits
 from keras_vit.distribute import get_strategy
 strategy = get_strategy("multi_worker")
 config = digits.get_config()
 config.epochs, config.visualize = 1, False  # the defaults otherwise, XLA as "auto" picks it
 config.model.update(num_layers=1, hidden_dim=16, mlp_dim=32, num_heads=2)  # a small model: the sync is checked
-metrics = train.train_and_evaluate(config, sys.argv[1], strategy)
-print("METRICS " + json.dumps(metrics))
+
+
+class SignalAt(keras.callbacks.Callback):  # With argv[3] == "signal": SIGTERM to this process at its 5th step.
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 4 and sys.argv[3] == "signal":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+try:
+    metrics = train.train_and_evaluate(config, sys.argv[1], strategy, callbacks=[SignalAt()])
+    print("METRICS " + json.dumps(metrics))
+except jobs.Stopped as stopped:
+    print("STOPPED", stopped.exit_code, stopped)
 """
 
 
@@ -39,26 +51,42 @@ def free_ports(count):
     return ports
 
 
-@pytest.mark.slow
-def test_two_workers_train_an_epoch_in_sync(tmp_path):
+def run_workers(workdir, signalled):
+    """The two workers on 127.0.0.1, worker `signalled` (or none) sent SIGTERM at its 5th step: their outputs."""
     workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     processes = []
     for index in range(2):
         tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
         env = dict(os.environ, TF_CONFIG=json.dumps(tf_config), TF_CPP_MIN_LOG_LEVEL="2")
         processes.append(subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(tmp_path)], cwd=ROOT, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, "-c", WORKER, str(workdir), str(index), "signal" if index == signalled else ""],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
-    outputs = []
     try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=600)[0])
+        outputs = [process.communicate(timeout=600)[0] for process in processes]
     finally:
         for process in processes:
             process.kill()
     for process, output in zip(processes, outputs):
         assert process.returncode == 0, output[-3000:]
+    return outputs
+
+
+@pytest.mark.slow
+def test_two_workers_stop_together_on_one_workers_sigterm_then_resume_and_train_the_epoch_in_sync(tmp_path):
+    """Worker 1 alone gets SIGTERM mid-epoch; after that step every worker learns it (one all-reduce per step)
+    and both stop there, each writing its backup. Run again, both resume at that step and end the epoch with
+    the same weights."""
+    stopped = run_workers(tmp_path, signalled=1)
+    assert all("STOPPED 143 Stopped by SIGTERM at step" in output for output in stopped), stopped[0][-3000:]
+    steps = [int(output.split("at step ", 1)[1].split()[0]) for output in stopped]
+    assert steps[0] == steps[1] and 5 <= steps[0] < 1293 // 64, steps  # Together, mid-epoch.
+    assert "Another worker was signalled" in stopped[0]
+    for folder in (tmp_path / "backup", tmp_path / "workers" / "1" / "backup"):
+        states = [json.loads(path.read_text()) for path in folder.glob("state-*.json")]
+        assert [(state["epoch"], state["step"]) for state in states] == [(0, steps[0])]
+
+    outputs = run_workers(tmp_path, signalled=None)
     metrics = [json.loads(o.split("METRICS ", 1)[1].splitlines()[0]) for o in outputs]
     # The global batch is split; the digits config holds out 144 of the 1,437 training images to validate on.
     assert metrics[0]["steps"] == metrics[1]["steps"] == 1293 // 64
