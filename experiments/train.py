@@ -34,7 +34,6 @@ import time
 import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 from absl import app, flags, logging
 
@@ -386,11 +385,7 @@ def _workers(strategy):
         import jax
 
         return jax.process_count()
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None:
-        return 1
-    cluster = resolver.cluster_spec().as_dict()
-    return max(1, sum(len(cluster.get(job, ())) for job in ("chief", "worker")))
+    return distribute.num_workers(strategy)
 
 
 def fit(run, model, fitting):
@@ -405,18 +400,17 @@ def fit(run, model, fitting):
         epoch, step = backups.restore_position(model, folder)
     if step is None:  # A backup that recorded no step: written at an epoch's end.
         step = epoch * run.steps_per_epoch
-    total = config.epochs * run.steps_per_epoch
+    total, first_epoch = config.epochs * run.steps_per_epoch, step // run.steps_per_epoch
     if step:
-        logging.info("Resuming from %s at step %d of %d (epoch %d of %d).", folder, step, total,
-                     step // run.steps_per_epoch + 1, config.epochs)  # fmt: skip
+        logging.info("Resuming from %s at step %d of %d (epoch %d of %d).", folder, step, total, first_epoch + 1,
+                     config.epochs)  # fmt: skip
     else:
         _clear_earlier_attempt(run.workdir)
-    fitting.backup.start_step = step
-    fitting.log.first_epoch = step // run.steps_per_epoch
+    fitting.backup.start_step, fitting.log.first_epoch = step, first_epoch
     history = model.fit(
         run.dataset.train_from(step),
         epochs=config.epochs,
-        initial_epoch=step // run.steps_per_epoch,
+        initial_epoch=first_epoch,
         # Image sets repeat: each host runs the same steps whatever its share of skipped files.
         steps_per_epoch=run.steps_per_epoch,
         validation_data=run.dataset.validation,
@@ -473,7 +467,9 @@ def report(run, model, history, fitting):
         "skipped_examples": dataset.skipped.paths[:100],
     }
     if dataset.validation is not None:
-        metrics["validation_loss"], metrics["validation_accuracy"] = plain_loss_and_accuracy(model, dataset.validation)
+        metrics["validation_loss"], metrics["validation_accuracy"] = plain_loss_and_accuracy(
+            model, dataset.validation, run.strategy
+        )
     # Did the position embeddings learn the grid structure of the paper's Figure 7?
     metrics.update(visualize.neighbour_similarity(visualize.position_embedding_similarity(model)))
     if config.visualize:
@@ -495,15 +491,13 @@ def report(run, model, history, fitting):
     return metrics
 
 
-def plain_loss_and_accuracy(model, batches):
+def plain_loss_and_accuracy(model, batches, strategy=None):
     """(the cross-entropy without label smoothing, top-1 accuracy) of `model` on `batches` of (images, one-hot
-    labels): every loss in metrics.json is on this scale, the test split's from `evaluation.evaluate` too."""
-    logits = model.predict(batches.map(lambda images, labels: images), verbose=0).astype(np.float64)
-    labels = np.concatenate([labels for _, labels in batches.as_numpy_iterator()])
-    top = logits.max(axis=-1, keepdims=True)
-    log_probabilities = logits - top - np.log(np.exp(logits - top).sum(axis=-1, keepdims=True))
-    loss = -np.mean(np.sum(labels * log_probabilities, axis=-1))
-    return float(loss), float(np.mean(np.argmax(logits, -1) == np.argmax(labels, -1)))
+    labels), in one pass: as `evaluation.evaluate` reports the test split's, so every loss in metrics.json is
+    on one scale."""
+    logits, labels = evaluation.predict_with_labels(model, batches, strategy)
+    report = evaluation.classification_report(logits, labels.argmax(axis=-1))
+    return float(report["loss"]), float(report["top1_accuracy"])
 
 
 def report_best(run, model, test_ds, extra):
@@ -513,9 +507,9 @@ def report_best(run, model, test_ds, extra):
     model.load_weights(run.best_path)
     metrics = {}
     metrics["best_validation_loss"], metrics["best_validation_accuracy"] = plain_loss_and_accuracy(
-        model, run.dataset.validation
+        model, run.dataset.validation, run.strategy
     )
-    metrics["best_test_loss"], metrics["best_test_accuracy"] = plain_loss_and_accuracy(model, test_ds)
+    metrics["best_test_loss"], metrics["best_test_accuracy"] = plain_loss_and_accuracy(model, test_ds, run.strategy)
     for name, result in evaluations.extra_evaluations(run.config, model, run.strategy).items():
         if "accuracy" in result:
             extra[name]["best_accuracy"] = result["accuracy"]

@@ -131,6 +131,15 @@ def is_chief(strategy):
     return resolver.task_type == "worker" and resolver.task_id == 0 and not has_chief
 
 
+def num_workers(strategy):
+    """How many worker processes train under `strategy`: its cluster's chief and workers (1 without one)."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    cluster = resolver.cluster_spec().as_dict()
+    return max(1, sum(len(cluster.get(job, ())) for job in ("chief", "worker")))
+
+
 def any_replica(strategy):
     """A function `agree(flag)` that every worker of `strategy` calls together (the same number of times, as
     `fit`'s callbacks run): True on all of them when `flag` is True on any.  One all-reduce of one integer

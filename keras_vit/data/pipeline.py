@@ -48,9 +48,7 @@ def make_pipeline(split, batch_size, *, training, num_classes=None, seed=0, max_
     ds = tf.data.Dataset.from_tensor_slices((split.images, split.labels))
     # In memory, on every worker already: sharded by example across workers
     # (the FILE policy needs files, and there is no decoding to save).
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    ds = ds.with_options(options)
+    ds = ds.with_options(_by_example())
     if training:
         ds = ds.shuffle(len(split), seed=seed, reshuffle_each_iteration=True)
         if max_shift:
@@ -94,10 +92,16 @@ def training_stream(split, batch_size, *, num_classes=None, seed=0, max_shift=0,
         return image, tf.one_hot(label, num_classes) if num_classes else label
 
     positions = tf.data.Dataset.range(start_step * batch_size, tf.int64.max)
-    ds = positions.map(example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = positions.map(example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).with_options(_by_example())
+    return ds.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
+def _by_example():
+    """tf.data options that split a dataset by example across the workers of a strategy (auto-sharding
+    DATA): each worker already holds the whole of it."""
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    return ds.with_options(options).batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    return options
 
 
 def _one_hot_batches(ds, num_classes):
@@ -106,8 +110,7 @@ def _one_hot_batches(ds, num_classes):
     # Handed to `fit` as a tf.data.Dataset (evaluation), it is split by example
     # across workers; built inside `strategy.distribute_datasets_from_function`
     # (training), each input pipeline has read its own files and no policy applies.
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    options = _by_example()
     # The maps work on many images at once: one thread per op, as big_vision's input pipelines run, saves the
     # threads that would split each small op (and spin waiting for each other) their CPU time.
     options.threading.max_intra_op_parallelism = 1
