@@ -352,8 +352,8 @@ def test_keras_vit_data_exports_every_public_name_of_its_modules():
     exported = set(vit_data.__all__)
     assert FORMER_NAMES <= exported, FORMER_NAMES - exported
     found = set()
-    for name in ("augment", "decode", "digits", "folders", "header", "image_source", "pipeline", "randaugment",
-                 "sources", "tfds"):
+    for name in ("augment", "decode", "digits", "folders", "header", "image_source", "pipeline", "positions",
+                 "randaugment", "sources", "tfds"):
         module = importlib.import_module(f"keras_vit.data.{name}")
         public = {
             key for key, value in vars(module).items()

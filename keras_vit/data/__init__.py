@@ -11,11 +11,11 @@ no download).  Image folders and TFDS sets are read and decoded on the fly
 distributed run, and an image that fails to decode is skipped and named, never
 fatal.
 
-Ten modules, and `service` beside them; imports run `decode` -> `header`,
+Eleven modules, and `service` beside them; imports run `decode` -> `header`,
 `image_source` -> `decode`, `header`, `digits` -> `image_source`, `folders`
-and `tfds` -> `decode`, `header`, `image_source`, `sources` -> `folders`,
-`tfds`, `augment` -> `decode`, `header`, `randaugment`, and
-`pipeline` -> `augment`, `decode`:
+and `tfds` -> `decode`, `header`, `image_source`, `positions`, `sources` ->
+`folders`, `tfds`, `augment` -> `decode`, `header`, `randaugment`, and
+`pipeline` -> `augment`, `decode`, `positions`:
 
 - `header`: an encoded image's size read from its header before it is
   decoded and checked against `ImageLimits` (total pixels, aspect ratio), a
@@ -40,8 +40,12 @@ and `tfds` -> `decode`, `header`, `image_source`, `sources` -> `folders`,
 - `augment`: one image at a time, in the graph: crops (a JPEG decoded inside
   its crop: `decode_and_crop`), flips, translation, and the evaluation resize
   and crop;
+- `positions`: where a training pipeline is in its passes, saved with a
+  backup so that a resumed run reads on from there (`InputPositions`), and
+  the orders drawn from a pass's seed (`pass_seed`, `permutation`,
+  `seeded_shuffle`);
 - `pipeline`: batches for `fit` and `evaluate` (`make_pipeline`,
-  `image_pipeline`, `training_pipeline`);
+  `image_pipeline`, `training_pipeline`, `training_stream`);
 - `service` (imported as `keras_vit.data.service`): tf.data service, to run
   the training pipeline on other machines' CPUs.
 
@@ -98,6 +102,7 @@ from keras_vit.data.header import (
 )
 from keras_vit.data.image_source import ImageSource, check_fraction, input_pipelines
 from keras_vit.data.pipeline import image_pipeline, make_pipeline, training_pipeline, training_stream
+from keras_vit.data.positions import InputPositions, pass_seed, permutation, seeded_shuffle
 from keras_vit.data.randaugment import RANDAUGMENT_OPS, apply_op, draw_ops, rand_augment
 from keras_vit.data.sources import load_image_source
 from keras_vit.data.tfds import load_tfds, load_tfds_evaluation
@@ -117,6 +122,7 @@ __all__ = [
     "DecodeFailures",
     "ImageLimits",
     "ImageSource",
+    "InputPositions",
     "Split",
     "apply_op",
     "as_image_limits",
@@ -148,12 +154,15 @@ __all__ = [
     "make_randaugment",
     "mark_failures",
     "note_failures",
+    "pass_seed",
+    "permutation",
     "rand_augment",
     "randaugment_function",
     "randaugment_seed",
     "random_translate",
     "record_failures",
     "resize_flip",
+    "seeded_shuffle",
     "training_pipeline",
     "training_stream",
     "UNNAMED_REFUSAL",

@@ -115,7 +115,7 @@ NAMED_IN_A_ROW = 64
 _NAME_SEPARATOR = "\x00"
 
 
-def mark_failures(records, transform, end):
+def mark_failures(records, transform, end, first_index=0):
     """One pass of (inputs, label, name) records -> (outputs, label, missing, nothing_yet, names).
 
     `transform(inputs, is_end)` maps a record's inputs to its outputs (load,
@@ -133,6 +133,10 @@ def mark_failures(records, transform, end):
     two other ways to catch one record's error, both slower), so it can run
     on tf.data service workers.  `note_failures` or `carry_failures` then
     reports the failures and drops the end record.
+
+    first_index: the index in its pass of the first record, for the rest of
+    a pass that starts part way through (a resumed run); `nothing_yet` is then
+    never true, as the records before may have decoded.
     """
     end = tf.data.Dataset.from_tensors((end, tf.constant(-1, tf.int32), tf.constant("")))
 
@@ -152,10 +156,11 @@ def mark_failures(records, transform, end):
         return index, (outputs, label, missing, last < 0, names)
 
     names = tf.fill([NAMED_IN_A_ROW], "")
-    ds = records.concatenate(end).scan((tf.constant(0, tf.int64), names), number)
+    first_index = tf.cast(first_index, tf.int64)
+    ds = records.concatenate(end).scan((first_index, names), number)
     # In order, whatever the options say: the numbers must come out as they went in.
     ds = ds.map(apply, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
-    return ds.scan(tf.constant(-1, tf.int64), measure_gap)
+    return ds.scan(first_index - 1, measure_gap)
 
 
 def load_or_end(load, reference, is_end):
