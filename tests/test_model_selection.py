@@ -396,6 +396,13 @@ def test_on_an_image_folder_the_source_reads_its_test_split_only_after_training(
             return watched(records, reads, split, over), total
 
         source.read = watched_read
+        read_pass = source.read_pass
+
+        def watched_pass(split, *rest):  # The training passes, each in its own order.
+            reads.append((f"read {split}", over.over))
+            return watched(read_pass(split, *rest), reads, split, over)
+
+        source.read_pass = watched_pass
         return source
 
     monkeypatch.setattr(vit_data, "load_image_source", watched_source)
@@ -460,6 +467,10 @@ def test_the_config_reaches_the_training_pipeline(tmp_path, monkeypatch):
     assert [(k["shuffle_buffer"], k["cache"], k["crop_area_range"], k["data_service"]) for k in seen] == [
         (123, True, (0.05, 1.0), "grpc://localhost:5050"), (123, True, (0.05, 1.0), None)
     ]
+    # Where the input is, recorded for the backups, where the pipeline runs here; a resumed run starts there.
+    assert "positions" not in seen[0] and isinstance(seen[1]["positions"], vit_data.InputPositions)
+    _, positions = datasets.load_data(config).train_from(7, {"0": [2, 5]})
+    assert seen[2]["positions"] is positions and (positions.start_step, positions.start_of(0)) == (7, (2, 5))
 
 
 def test_a_resumed_run_keeps_the_best_epoch_of_the_run_it_resumes(tmp_path):

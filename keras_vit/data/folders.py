@@ -13,6 +13,7 @@ from absl import logging
 from keras_vit.data.decode import DecodeFailures
 from keras_vit.data.header import as_image_limits
 from keras_vit.data.image_source import ImageSource, check_fraction, input_pipelines
+from keras_vit.data.positions import permutation
 
 # The file names a folder's images are listed by (any case); the files are not opened to list them.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp", ".webp")
@@ -136,7 +137,8 @@ def load_folder(root, *, test_fraction=0.2, seed=0, validation_fraction=0.0, ima
     splits = {name: sorted(split) for name, split in splits.items()}
     return ImageSource(
         len(classes), classes, len(splits["train"]), len(splits["test"]),
-        read=_folder_reader(splits), load=tf.io.read_file, reload=tf.io.read_file, skipped=skipped,
+        read=_folder_reader(splits), read_pass=_folder_pass_reader(splits), load=tf.io.read_file,
+        reload=tf.io.read_file, skipped=skipped,
         num_validation=len(splits.get("validation", ())),
         splits={name: described[name] for name in ("train", "validation", "test") if name in splits},
         image_limits=limits,
@@ -205,3 +207,19 @@ def _folder_reader(splits):
         return records, total
 
     return read
+
+
+def _folder_pass_reader(splits):
+    """`ImageSource.read_pass` for a folder whose splits are the sorted lists of (path, label) `splits`: this
+    pipeline's share of the files (as `read` shards them), the whole list in one order drawn from the seed."""
+
+    def read_pass(split, input_context, order_seed, shuffle_buffer):
+        del shuffle_buffer  # The list of names is shuffled whole.
+        count, index = input_pipelines(input_context)
+        share = splits[split][index::count]
+        paths = tf.constant([path for path, _ in share])
+        labels = tf.constant(np.array([label for _, label in share], np.int32))
+        order = tf.data.Dataset.from_tensor_slices(permutation(len(share), order_seed))
+        return order.map(lambda i: (tf.gather(paths, i), tf.gather(labels, i), tf.gather(paths, i)))
+
+    return read_pass

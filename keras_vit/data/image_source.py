@@ -56,6 +56,10 @@ class ImageSource:
     num_validation: int = 0
     splits: dict = dataclasses.field(default_factory=dict)  # split -> what it is, in words
     image_limits: ImageLimits = dataclasses.field(default_factory=ImageLimits)
+    # (split, input_context, order_seed, shuffle_buffer) -> tf.data of (reference, label, name): one pass of
+    # what `read` gives, in an order drawn from order_seed (a scalar int64 tensor) alone, for the training
+    # pipeline's passes; None: `read`'s order shuffled in a buffer of shuffle_buffer.
+    read_pass: Callable[..., tf.data.Dataset] | None = None
 
     def decoded(self, split, *, input_context=None, shuffle=False, seed=0, shuffle_buffer=10_000):
         """The decoded (image, label) pairs of `split` ("train", "validation" or "test") for one input pipeline.

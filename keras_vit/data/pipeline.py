@@ -27,6 +27,7 @@ from keras_vit.data.decode import (
     note_failures,
     record_failures,
 )
+from keras_vit.data.positions import pass_seed, seeded_shuffle
 from keras_vit.data.service import distribute, on_each_worker
 
 
@@ -120,7 +121,7 @@ def _one_hot_batches(ds, num_classes):
 def training_pipeline(
     source, image_size, global_batch_size, input_context=None, *, seed=0, crop=True, flip=True, randaugment=None,
     cache=False, shuffle_buffer=10_000, crop_area_range=INCEPTION_AREA_RANGE, data_service=None,
-    data_service_job="keras_vit_train",
+    data_service_job="keras_vit_train", positions=None,
 ):
     """What one input pipeline (one host) feeds `fit`: batches of its share of `source`'s training files.
 
@@ -133,7 +134,16 @@ def training_pipeline(
     per replica (`global_batch_size / replicas`), labels one-hot; endless: `fit` is given `steps_per_epoch`, the same on
     every host.  Every random choice is stateless, from one seed per image
     drawn from `seed` (and the pipeline's index): the same seed gives the
-    same batches, each epoch new ones.
+    same batches, each epoch new ones.  The files are read in passes, pass
+    `p` in an order drawn from (seed, `p`) alone and each image's random
+    choices from (that order's seed, its index in the pass), so a stream
+    started part way (`positions`) is the uninterrupted stream from there.
+
+    positions: an `InputPositions`: where this pipeline starts
+    (`positions.start_of(pipeline index)`, (0, 0) for a new run) and where
+    to record its position after each step's batches, which a backup saves
+    for the resumed run (`keras_vit.backups`).  A resumed pass re-reads the
+    records before its start (no decoding): at most one pass of reading.
 
     cache: keep the encoded bytes in memory after the first pass (what
     big_vision caches for ImageNet), then shuffle them in a buffer of
@@ -158,19 +168,28 @@ def training_pipeline(
     augment = randaugment_function(randaugment)
     transform = _decode_and_augment(source, (height, width), crop, flip, crop_area_range, augment)
 
+    if not data_service:
+        def noted(marked):
+            return note_failures(marked, source.skipped, what, source.reload, source.image_limits)
+
+        start = positions.start_of(pipeline_id) if positions is not None else (0, 0)
+        # Each pipeline draws its own orders and crops.
+        passes = _positioned_passes(
+            source, input_context, transform, seed + pipeline_id, noted, what, cache=cache,
+            shuffle_buffer=shuffle_buffer, start=start,
+        )
+        ds = noted(passes).map(lambda outputs, label: ((outputs[0], label), outputs[1]))
+        ds = ds.batch(batch_size, drop_remainder=True)
+        per_step = input_context.num_replicas_in_sync // input_context.num_input_pipelines if input_context else 1
+        ds = _recording_positions(ds, positions, pipeline_id, per_step)
+        return _one_hot_batches(ds, source.num_classes)
+
     def marked_passes(context, seed, report):
         """Passes of (image, label) marked with the failures before each (`mark_failures`); `report` turns
         the marked elements of the cache's one pass into (outputs, label)."""
         encoded = _encoded_pass(source, context, seed, report, what, cache=cache, shuffle_buffer=shuffle_buffer)
         return _seeded_and_marked(encoded, transform, seed)
 
-    if not data_service:
-        def noted(marked):
-            return note_failures(marked, source.skipped, what, source.reload, source.image_limits)
-
-        # Each pipeline draws its own crops.
-        ds = noted(marked_passes(input_context, seed + pipeline_id, noted)).repeat()
-        return _one_hot_batches(ds.batch(batch_size, drop_remainder=True), source.num_classes)
     ds = _served_batches(marked_passes, what, batch_size, data_service, data_service_job)
     return _one_hot_batches(_name_carried_failures(ds, source), source.num_classes)
 
@@ -191,6 +210,82 @@ def _decode_and_augment(source, size, crop, flip, crop_area_range, augment):
         return augment(image, randaugment_seed(image_seed)) if augment else image
 
     return transform
+
+
+def _positioned_passes(source, context, transform, seed, report, what, *, cache, shuffle_buffer, start):
+    """Endless passes over the training files `context`'s input pipeline reads, from `start` (pass, index):
+    `mark_failures`' elements whose outputs are (image, [pass, index]).
+
+    Pass `p` reads the records in an order drawn from (`seed`, `p`) alone
+    (`source.read_pass`, or the split's order shuffled in a buffer of
+    `shuffle_buffer`; with `cache`, the kept bytes shuffled in that buffer),
+    and each image's random choices come from (that seed, its index in the
+    pass).
+    """
+    first_pass, first_index = (tf.constant(value, tf.int64) for value in start)
+    records, total = source.read("train", context, False, None, shuffle_buffer)
+    if total < 1:
+        raise ValueError(f"No examples in {what}.")
+    if cache:
+        def load(reference, is_end):
+            return load_or_end(source.load, reference, is_end), reference
+
+        # The encoded bytes, read once and kept (their failures to read reported once).
+        loaded = report(mark_failures(records, load, tf.constant("")))
+        kept = loaded.map(lambda outputs, label: (outputs[0], label, outputs[1])).cache()
+
+    def positioned(inputs, is_end):
+        encoded, image_seed, position = inputs
+        return transform((encoded, image_seed), is_end), position
+
+    def one_pass(number):
+        order_seed = pass_seed(seed, number)
+        offset = tf.where(number == first_pass, first_index, tf.constant(0, tf.int64))
+        if cache:
+            encoded = seeded_shuffle(kept, shuffle_buffer, order_seed).skip(offset)
+        else:
+            if source.read_pass is not None:
+                ordered = source.read_pass("train", context, order_seed, shuffle_buffer)
+            else:
+                ordered = seeded_shuffle(records, shuffle_buffer, order_seed)
+            encoded = ordered.skip(offset).map(lambda reference, label, name: (source.load(reference), label, name))
+
+        def with_seed(record, index):
+            image_seed = tf.random.stateless_uniform(
+                [2], tf.stack([order_seed, index]), minval=None, maxval=None, dtype=tf.int32
+            )
+            return (record[0], image_seed, tf.stack([number, index])), record[1], record[2]
+
+        numbered = tf.data.Dataset.zip((encoded, tf.data.Dataset.range(offset, tf.int64.max))).map(with_seed)
+        end = (tf.constant(""), tf.zeros([2], tf.int32), tf.constant([-1, -1], tf.int64))
+        return mark_failures(numbered, positioned, end, first_index=offset)
+
+    return tf.data.Dataset.range(first_pass, tf.int64.max).flat_map(one_pass)
+
+
+def _recording_positions(batches, positions, pipeline_id, per_step):
+    """Batches of ((images, labels), positions) -> (images, labels); with `positions` (an `InputPositions`),
+    the position after each step's batches (`per_step` of them: one per replica the pipeline feeds) recorded
+    in it as they leave the pipeline."""
+    if positions is None:
+        return batches.map(lambda pair, where: pair)
+
+    def record(step, where):
+        positions.record(pipeline_id, int(step), int(where[0]), int(where[1]) + 1)
+        return True
+
+    def recorded(count, element):
+        (images, labels), where = element
+        done = tf.cond(
+            (count + 1) % per_step == 0,
+            lambda: tf.reshape(tf.py_function(
+                record, [positions.start_step + (count + 1) // per_step, where[-1]], tf.bool), []),
+            lambda: tf.constant(True),
+        )
+        with tf.control_dependencies([done]):
+            return tf.identity(images), labels
+
+    return batches.enumerate().map(recorded)
 
 
 def _encoded_pass(source, context, seed, report, what, *, cache, shuffle_buffer):

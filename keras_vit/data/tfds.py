@@ -13,6 +13,7 @@ import tensorflow as tf
 from keras_vit.data.decode import decode_image
 from keras_vit.data.header import as_image_limits
 from keras_vit.data.image_source import ImageSource, check_fraction, input_pipelines
+from keras_vit.data.positions import permutation, seeded_shuffle
 
 
 def _prepared_tfds(name, data_dir, label_key="label"):
@@ -137,7 +138,8 @@ def load_tfds(name, *, data_dir=None, train_split="train", test_split=None, vali
 
     return ImageSource(
         label.num_classes, list(label.names), counts["train"], counts["test"],
-        read=read, load=lambda encoded: encoded, reload=reload,
+        read=read, read_pass=_tfds_pass_reader(builder, splits, names, read), load=lambda encoded: encoded,
+        reload=reload,
         num_validation=counts.get("validation", 0),
         splits={split: names[split] for split in ("train", "validation", "test") if split in names},
         image_limits=limits,
@@ -174,6 +176,51 @@ def _tfds_reader(builder, splits, names):
         return ds.map(lambda ex: (ex["image"], tf.cast(ex["label"], tf.int32), ex["tfds_id"])), total
 
     return read
+
+
+def _tfds_pass_reader(builder, splits, names, read):
+    """`ImageSource.read_pass` for a TFDS set: this pipeline's share of the split's files (as `read` shares
+    them) in an order drawn from the seed, read 16 at a time as TFDS reads them, the records shuffled in the
+    buffer with the same seed; each named by its TFDS id (FILE__INDEX).  A set stored in another format than
+    TFRecord: its files in TFDS's order, the records shuffled in the buffer."""
+    import tensorflow_datasets as tfds
+
+    decoders = {"image": tfds.decode.SkipDecoding()}
+
+    def read_pass(split, input_context, order_seed, shuffle_buffer):
+        if builder.info.file_format != tfds.core.FileFormat.TFRECORD:
+            return seeded_shuffle(read(split, input_context, False, None, shuffle_buffer)[0], shuffle_buffer,
+                                  order_seed)  # fmt: skip
+        split = names[split]
+        count, index = input_pipelines(input_context)
+        files = splits[split].file_instructions
+        if count > 1:
+            files = files[index::count] if len(files) >= count else (
+                splits[tfds.even_splits(split, n=count)[index]].file_instructions)
+        paths = tf.constant([str(f.filename) for f in files])
+        first = tf.constant([f.skip for f in files], tf.int64)
+        takes = tf.constant([f.take if f.take >= 0 else f.examples_in_shard - f.skip for f in files], tf.int64)
+
+        def records_of(i):
+            path = tf.gather(paths, i)
+            name = tf.strings.regex_replace(path, r".*/", "")
+            records = tf.data.TFRecordDataset(path).skip(tf.gather(first, i)).take(tf.gather(takes, i))
+            numbered = tf.data.Dataset.zip((records, tf.data.Dataset.range(tf.gather(first, i), tf.int64.max)))
+            return numbered.map(lambda record, at: (record, tf.strings.join([name, "__", tf.strings.as_string(at)])))
+
+        order = tf.data.Dataset.from_tensor_slices(permutation(len(files), order_seed))
+        serialized = order.interleave(
+            records_of, cycle_length=min(16, len(files)), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+        )
+
+        def parsed(record, tfds_id):
+            example = builder.info.features.deserialize_example(record, decoders=decoders)
+            return example["image"], tf.cast(example["label"], tf.int32), tfds_id
+
+        # Parsed after the buffer: it holds the serialized records, no bigger than their images.
+        return seeded_shuffle(serialized, shuffle_buffer, order_seed).map(parsed)
+
+    return read_pass
 
 
 def load_tfds_evaluation(name, split, *, data_dir=None, label_key="label", image_limits=None):
