@@ -19,23 +19,29 @@ from keras_vit.variants import to_pair
 class Data:
     """What the training job needs of a data set, whatever its source.
 
-    `train_from(step)` makes the training batches of (uint8 pixels, one-hot
-    labels), augmented, endless, for a run that starts (or resumes) at batch
-    `step`.  The digits are a function of the position in the stream
-    (`keras_vit.data.training_stream`): a resumed run sees the batches the
-    uninterrupted run saw from that step.  Image folders and TFDS: each host
-    reads its share of the files over and over, so that every host runs the
-    steps `fit` is given (`steps_per_epoch=num_train // global batch`)
-    whatever its share of the images that fail to decode, built through the
-    strategy's `distribute_datasets_from_function` when a strategy is given;
-    a resumed run starts a new shuffle of the files.
+    `train_from(step, input_position)` makes the training batches of (uint8
+    pixels, one-hot labels), augmented, endless, for a run that starts (or
+    resumes) at batch `step`, and the `keras_vit.data.InputPositions` a
+    backup reads where the input is from (None: the step says it).  A resumed
+    run sees the batches the uninterrupted run saw from that step.  The
+    digits are a function of the position in the stream
+    (`keras_vit.data.training_stream`).  Image folders and TFDS: each host
+    reads its share of the files in passes, over and over, so that every host
+    runs the steps `fit` is given (`steps_per_epoch=num_train // global
+    batch`) whatever its share of the images that fail to decode, built
+    through the strategy's `distribute_datasets_from_function` when a
+    strategy is given; each pass's order is drawn from (seed, pass) alone,
+    and the run resumes at the pass and record its backup saved
+    (`input_position`; None: a new run, or a backup that saved none, which
+    starts the passes over).  With tf.data service, workers draw their own
+    orders: a resumed run starts new ones.
 
     Model selection sees `validation` only, a split held out of the training
     data.  The test split is not touched until `make_test()` is called, which
     the job does once training is over.
     """
 
-    train_from: Callable[[int], tf.data.Dataset | tf.distribute.DistributedDataset]
+    train_from: Callable[[int, dict | None], tuple]  # -> (batches, InputPositions or None)
     validation: tf.data.Dataset | None  # batches of (uint8 pixels, one-hot labels), every example; None: none held out
     make_test: Callable[[], tf.data.Dataset]  # the test split's batches, every example: called after training
     calibration: tf.data.Dataset  # unaugmented training images, for int8 export
@@ -111,10 +117,10 @@ def load_data(config, strategy=None):
         digits = load_digits(config)
         pipeline = functools.partial(vit_data.make_pipeline, num_classes=digits.num_classes)
         return Data(
-            train_from=lambda step: vit_data.training_stream(
+            train_from=lambda step, input_position=None: (vit_data.training_stream(
                 digits.train, config.batch_size, num_classes=digits.num_classes, seed=config.seed,
                 max_shift=config.max_shift, start_step=step,
-            ),
+            ), None),
             validation=pipeline(digits.validation, eval_batch_size, training=False) if digits.validation else None,
             make_test=lambda: pipeline(digits.test, eval_batch_size, training=False),
             calibration=tf.data.Dataset.from_tensor_slices(digits.train.images),
@@ -149,10 +155,15 @@ def load_data(config, strategy=None):
         crop_fraction=config.crop_fraction,
     )
 
-    def train_from(step):  # A new shuffle of the files, whatever the step.
+    def train_from(step, input_position=None):
+        if config.data_service:  # Its workers draw their own orders: nothing to resume from.
+            positions, made = None, training_data
+        else:
+            positions = vit_data.InputPositions(step, input_position)
+            made = functools.partial(training_data, positions=positions)
         if strategy is not None:
-            return strategy.distribute_datasets_from_function(training_data)
-        return training_data(jax_input_context())
+            return strategy.distribute_datasets_from_function(made), positions
+        return made(jax_input_context()), positions
 
     counts = {"train": source.num_train, "validation": source.num_validation, "test": source.num_test}
     kind, _, rest = config.dataset.partition(":")

@@ -42,7 +42,7 @@ from experiments import config_checks, datasets, evaluations, jobs, models, outp
 from keras_vit import backups, distribute, evaluation, export, parallel, training, visualize
 from keras_vit.distribute import STRATEGIES, get_strategy, is_chief
 from keras_vit.files import atomic_path
-from keras_vit.preemption import StopOnSignal
+from keras_vit.preemption import StopOnSignal, any_process
 
 
 def define_flags():
@@ -358,8 +358,10 @@ def fit_callbacks(run, model, extra=()):
         save_seconds=config.backup_minutes * 60 or None,
     )
     workers = _workers(run.strategy)
-    # Several TensorFlow workers stop together: each asks the others after every step (one small all-reduce).
-    agree = distribute.any_replica(run.strategy) if workers > 1 and run.strategy is not None else None
+    # Several workers stop together: each asks the others after every step (one collective of one integer).
+    agree = None
+    if workers > 1:
+        agree = any_process() if keras.backend.backend() == "jax" else distribute.any_replica(run.strategy)
     stop = StopOnSignal(backup, config.grace_seconds, workers=workers, agree=agree)
     log = training.CSVLog(tf.io.gfile.join(workdir, "log.csv"))
     callbacks = [
@@ -397,7 +399,7 @@ def fit(run, model, fitting):
     SIGINT wrote its backup after the step in flight and raises `jobs.Stopped`."""
     config, folder = run.config, tf.io.gfile.join(run.workdir, "backup")
     with run.scope():  # The optimizer's variables are made (and loaded) where the strategy places them.
-        epoch, step = backups.restore_position(model, folder)
+        epoch, step, input_position = backups.restore_state(model, folder)
     if step is None:  # A backup that recorded no step: written at an epoch's end.
         step = epoch * run.steps_per_epoch
     total, first_epoch = config.epochs * run.steps_per_epoch, step // run.steps_per_epoch
@@ -406,9 +408,13 @@ def fit(run, model, fitting):
                      config.epochs)  # fmt: skip
     else:
         _clear_earlier_attempt(run.workdir)
+    batches, positions = run.dataset.train_from(step, input_position)
+    if step and positions is not None and input_position is None:
+        logging.warning("The backup does not say where the input was: the input starts new passes over the files.")
     fitting.backup.start_step, fitting.log.first_epoch = step, first_epoch
+    fitting.backup.input_position = positions.after if positions is not None else None
     history = model.fit(
-        run.dataset.train_from(step),
+        batches,
         epochs=config.epochs,
         initial_epoch=first_epoch,
         # Image sets repeat: each host runs the same steps whatever its share of skipped files.

@@ -8,17 +8,20 @@ weights: a backup without its JSON is incomplete and is never used). Both are wr
 
 `restore_backup(model, folder)` loads the newest usable backup before `fit` and returns the epoch to pass as
 `fit(initial_epoch=...)`: weights and epoch come from the same backup or not at all; `restore_position`
-returns the step too, for a run that resumes mid-epoch (its data positioned at that step). A damaged newest
-backup (a truncated weights file, a JSON that does not parse) is named in a warning and the previous one is
-used; with none usable, `BackupError` names the files and how to start over. Unlike
+returns the step too, for a run that resumes mid-epoch (its data positioned at that step), and `restore_state`
+also where the input pipelines were (`Backup.input_position`, saved with each backup). A damaged newest backup
+(a truncated weights file, a JSON that does not parse) is named in a warning and the previous one is used;
+with none usable, `BackupError` names the files and how to start over. Unlike
 `keras.callbacks.BackupAndRestore` (one pair of files written in place, the epoch restored through the model's
 private state), a crash while saving or a damaged file never blocks the next restart.
 """
 
+import contextlib
 import json
 import logging
 import re
 import time
+import typing
 import warnings
 
 import keras
@@ -79,6 +82,8 @@ class Backup(keras.callbacks.Callback):
         self.save_seconds = save_seconds
         self.start_step = None
         self.step = 0
+        # step -> where the input pipelines are after it (JSON), saved with each backup; None: nothing to save.
+        self.input_position = None
         self.keep_at_end = False
         self._epoch = 0
         self._epoch_start = 0
@@ -124,12 +129,15 @@ class Backup(keras.callbacks.Callback):
         states = _states(self.folder)
         serial = states[0] + 1 if states else 0
         weights, metadata = _paths(self.folder, serial)
-        with atomic_path(weights, suffix=".weights.h5") as temporary:
+        with atomic_path(weights, suffix=".weights.h5") as temporary, _outside_distribution():
             self.model.save_weights(temporary)
         position = {
             "epoch": self._epoch, "step": self.step, "weights": weights.rsplit("/", 1)[1],
             "random_states": [keras.ops.convert_to_numpy(v).tolist() for v in _random_states(self.model)],
         }
+        where = self.input_position(self.step) if self.input_position is not None else None
+        if where is not None:
+            position["input"] = where
         write_text_atomically(metadata, json.dumps(position))
         self._saved_at = time.monotonic()
         for old in [serial, *states][self.keep :]:
@@ -137,6 +145,23 @@ class Backup(keras.callbacks.Callback):
                 if gfile.exists(path):
                     gfile.remove(path)
         return metadata
+
+
+@contextlib.contextmanager
+def _outside_distribution():
+    """Keras' JAX backend: the block runs with no `keras.distribution` set.  Saving makes throwaway Keras
+    objects (saving_lib's reference optimizer, once per process); under a distribution across processes their
+    variables are placed with a collective that only the processes saving for the first time would enter, and
+    the job would hang.  The model's own variables are not made again; they keep their placement."""
+    if keras.backend.backend() != "jax" or keras.distribution.distribution() is None:
+        yield
+        return
+    distribution = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(distribution)
 
 
 def _random_states(model):
@@ -155,7 +180,22 @@ def restore_backup(model, folder):
 def restore_position(model, folder):
     """Loads the newest usable backup in `folder` into `model` (compiled, with its optimizer) and returns
     (epoch, step): the epoch in progress or next when it was written, and the batches trained (None for a
-    backup that did not record them); (0, 0) when there is none.
+    backup that did not record them); (0, 0) when there is none.  See `restore_state`."""
+    resumed = restore_state(model, folder)
+    return resumed.epoch, resumed.step
+
+
+class Resumed(typing.NamedTuple):
+    """Where a run resumes: `restore_state`'s answer."""
+
+    epoch: int  # the epoch in progress or next when the backup was written
+    step: int | None  # the batches trained (None for a backup that did not record them)
+    input: dict | None  # where the input pipelines were (`Backup.input_position`'s), None if not saved
+
+
+def restore_state(model, folder):
+    """Loads the newest usable backup in `folder` into `model` (compiled, with its optimizer) and returns
+    a `Resumed` (epoch, step, input position); Resumed(0, 0, None) when there is none.
 
     A backup is usable when its JSON parses and names an epoch and its weights file loads. A damaged one is
     named in a warning and the one before it is tried. Raises `BackupError` naming the files when backups are
@@ -197,10 +237,10 @@ def restore_position(model, folder):
             continue
         if problems:
             log.warning("Resumed from the older backup %s (epoch %d).", metadata, epoch)
-        return epoch, step
+        return Resumed(epoch, step, position.get("input"))
     if problems:
         raise BackupError(
             f"No usable backup in {folder}: " + "; ".join(problems)
             + f". Delete {folder} to start the run over (its other outputs stay)."
         )
-    return 0, 0
+    return Resumed(0, 0, None)

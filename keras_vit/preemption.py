@@ -16,8 +16,9 @@ Every worker of a multi-worker job must stop at the same step, or the others wou
 collective.  Given `agree` (a function every worker calls at the same points, True on all when its argument
 is True on any: `keras_vit.distribute.any_replica(strategy)` for TensorFlow strategies), every worker asks it
 after each step whether any was signalled, and all stop together, each writing its own backup (the chief the
-job's).  With several workers and no `agree` (JAX on several hosts), the callback leaves the signals alone and
-logs so: the job then resumes from its last periodic backup.
+job's).  On Keras' JAX backend with several processes (a TPU pod slice, GPU hosts, `keras.distribution` across
+them), `any_process()` is that function.  With several workers and no `agree`, the callback leaves the signals
+alone and logs so: the job then resumes from its last periodic backup.
 """
 
 import logging
@@ -116,3 +117,20 @@ class StopOnSignal(keras.callbacks.Callback):
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous = {}
+
+
+def any_process():
+    """`agree(flag)` for a job of several JAX processes (`jax.process_count()` > 1): every process calls it
+    together, and it is True on all when `flag` is True on any.  One gather of one integer from every process
+    (`jax.experimental.multihost_utils.process_allgather`), a few milliseconds a step."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() < 2:
+        return lambda flag: bool(flag)
+
+    def agree(flag):
+        return bool(np.any(multihost_utils.process_allgather(np.array(int(bool(flag)), np.int32))))
+
+    return agree

@@ -53,9 +53,13 @@ def policy():
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_module(module, *args, timeout=900):
-    """Runs `python -m module args...` from the repository root; returns its stdout."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+def run_module(module, *args, timeout=900, stderr=False, quiet=True):
+    """Runs `python -m module args...` from the repository root; returns its stdout (and its stderr with
+    `stderr`). `quiet`: without TensorFlow's informational and warning lines from C++ (TF_CPP_MIN_LOG_LEVEL=2);
+    False: what a user's terminal shows."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2") if quiet else dict(os.environ)
+    if not quiet:
+        env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     result = subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=ROOT,
@@ -65,7 +69,25 @@ def run_module(module, *args, timeout=900):
         timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    return (result.stdout, result.stderr) if stderr else result.stdout
+
+
+def run_together(commands, timeout):
+    """Starts every (argv, env) in `commands` from the repository root at once (stdout and stderr merged),
+    waits for all, and returns their outputs once each has exited with 0; a process still running after
+    `timeout` seconds is killed and fails the test."""
+    processes = [
+        subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for argv, env in commands
+    ]
+    try:
+        outputs = [process.communicate(timeout=timeout)[0] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-3000:]
+    return outputs
 
 
 def run_command_line(module, *args, main=None, exit_code=0):
@@ -102,9 +124,10 @@ def run_command_line(module, *args, main=None, exit_code=0):
 
 @pytest.fixture(scope="session")
 def digits_main_job(tmp_path_factory):
-    """The README's main command with its defaults, run once: (workdir, stdout)."""
+    """The README's main command with its defaults and the user's logging, run once: (workdir, stdout,
+    stderr)."""
     workdir = tmp_path_factory.mktemp("main_job") / "digits"
-    return workdir, run_module("experiments.train", f"--workdir={workdir}")
+    return (workdir, *run_module("experiments.train", f"--workdir={workdir}", stderr=True, quiet=False))
 
 
 @pytest.fixture(scope="session")

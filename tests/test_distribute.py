@@ -2,9 +2,7 @@
 
 import json
 import os
-import pathlib
 import socket
-import subprocess
 import sys
 
 import keras
@@ -12,8 +10,7 @@ import numpy as np
 import pytest
 
 import keras_vit  # noqa: F401  (registers the classes the saved models need)
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.conftest import run_together
 
 WORKER = """
 import json, os, signal, sys
@@ -54,22 +51,13 @@ def free_ports(count):
 def run_workers(workdir, signalled):
     """The two workers on 127.0.0.1, worker `signalled` (or none) sent SIGTERM at its 5th step: their outputs."""
     workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
-    processes = []
+    commands = []
     for index in range(2):
         tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
         env = dict(os.environ, TF_CONFIG=json.dumps(tf_config), TF_CPP_MIN_LOG_LEVEL="2")
-        processes.append(subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(workdir), str(index), "signal" if index == signalled else ""],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
-    try:
-        outputs = [process.communicate(timeout=600)[0] for process in processes]
-    finally:
-        for process in processes:
-            process.kill()
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output[-3000:]
-    return outputs
+        argv = [sys.executable, "-c", WORKER, str(workdir), str(index), "signal" if index == signalled else ""]
+        commands.append((argv, env))
+    return run_together(commands, timeout=600)
 
 
 @pytest.mark.slow

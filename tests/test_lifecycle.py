@@ -12,12 +12,14 @@ import time
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_vit
 from keras_vit import backups
 from keras_vit import data as vit_data
 from keras_vit.preemption import StopOnSignal
-from tests.conftest import ROOT, run_command_line
+from tests.conftest import ROOT, run_command_line, run_together
+from tests.test_data import prepare_tfds, write_folder, write_odd_folder
 
 # === The data: a function of the position in the stream ===
 
@@ -46,6 +48,41 @@ def test_a_stream_started_at_a_step_gives_the_batches_the_whole_stream_gives_the
     assert len({row.tobytes() for row in first}) == 16 and not np.array_equal(first, second)
     with pytest.raises(ValueError, match=r"`batch_size` must be in \[1, 20\].*Received: batch_size=21"):
         vit_data.training_stream(split, 21)
+
+
+@pytest.mark.parametrize("kind", ["folder", "cached folder", "tfds"])
+def test_an_image_pipeline_started_where_it_was_gives_the_batches_the_whole_one_gives_there(tmp_path, kind):
+    """The training pipeline of an image folder (read as listed, or its bytes kept) or a TFDS set, with bad
+    files among the good: started again at the position recorded after step k, it gives the batches the
+    uninterrupted pipeline gave after step k, across the end of a pass, crops and all; two replicas fed by one
+    pipeline make one step of two batches."""
+    good, bad = write_odd_folder(tmp_path / "odd")
+    if kind == "tfds":
+        train = [(good[p][2], p) for p in sorted(good)] + [(i % 2, p) for i, p in enumerate(sorted(bad)[:3])]
+        source = vit_data.load_tfds("tiny_colours", data_dir=prepare_tfds(tmp_path, {"train": train,
+                                                                                     "test": train[:2]}, 2))
+    else:
+        source = vit_data.load_folder(tmp_path / "odd")
+    context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=2)
+    options = dict(seed=5, cache=kind == "cached folder", shuffle_buffer=4)
+
+    def pipeline(positions):
+        return vit_data.training_pipeline(source, 16, 6, context, positions=positions, **options)
+
+    recorded = vit_data.InputPositions()
+    whole = batches(pipeline(recorded), 12)  # 6 steps of 2 batches of 3: more than a pass of good images
+    assert 6 * 6 > len(good)
+    for k in (1, 3, 4):
+        start = recorded.after(k)
+        assert start is not None and start["0"][1] <= source.num_train
+        resumed = batches(pipeline(vit_data.InputPositions(k, json.loads(json.dumps(start)))), 12 - 2 * k)
+        for a, b in zip(whole[2 * k:], resumed, strict=True):
+            np.testing.assert_array_equal(a[0], b[0])
+            np.testing.assert_array_equal(a[1], b[1])
+    assert recorded.after(7) is None and recorded.after(6) is not None
+    # Each pass in a new order: the labels of the first pass's images are not the second pass's.
+    again = batches(pipeline(vit_data.InputPositions(0, {"0": [1, 0]})), 2)
+    assert not all(np.array_equal(a[0], b[0]) for a, b in zip(whole[:2], again))
 
 
 # === The library: a signal, a backup at the step, the exact resume ===
@@ -126,6 +163,122 @@ def check_signal_and_resume(tmp_path, number):
     assert int(resumed.optimizer.iterations.numpy()) == 6
     for a, b in zip(whole.weights, resumed.weights, strict=True):  # Dropout's generators included.
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+
+
+class SignalAfterStep(keras.callbacks.Callback):
+    """Sends SIGTERM to this process once the optimizer has taken `step` steps."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(keras.ops.convert_to_numpy(self.model.optimizer.iterations)) == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_the_job_on_an_image_folder_stopped_mid_epoch_resumes_with_the_uninterrupted_runs_data(tmp_path):
+    """The training job on an image folder (a bad file among the images, random crops, flips and RandAugment,
+    dropout): stopped by SIGTERM mid-epoch, then run again, it ends with the weights of the uninterrupted run,
+    bit for bit: the input read on from the position its backup saved."""
+    from experiments import jobs, train
+    from experiments.configs import digits
+
+    root = write_folder(tmp_path / "images", per_class=6, size=(20, 16), corrupt=("cat/bad.jpg",))
+    config = digits.get_config()
+    config.dataset, config.image_size, config.batch_size, config.epochs = f"folder:{root}", 16, 2, 2
+    config.model.update(patch_size=8, num_layers=1, hidden_dim=16, num_heads=2, mlp_dim=32)
+    config.augment.randaugment, config.visualize, config.tensorboard_figures = (2, 5), False, 0
+    config.jit_compile, config.backup_every = "off", "2"
+    train.train_and_evaluate(config, str(tmp_path / "whole"))
+    with pytest.raises(jobs.Stopped, match="Stopped by SIGTERM at step 5 of 12"):  # 6 steps an epoch
+        train.train_and_evaluate(config, str(tmp_path / "run"), callbacks=[SignalAfterStep(4)])
+    with open(max((tmp_path / "run" / "backup").glob("state-*.json"))) as f:
+        saved = json.load(f)
+    assert saved["step"] == 5 and list(saved["input"]) == ["0"]
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+    models = [keras.models.load_model(tmp_path / name / "model.keras") for name in ("whole", "run")]
+    steps = [int(m.optimizer.iterations.numpy()) for m in models]
+    assert steps == [12, 12]
+    for a, b in zip(models[0].weights, models[1].weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+
+
+JAX_PROCESS = """
+import json, os, signal, sys
+import keras
+import numpy as np
+keras.distribution.initialize()  # Two processes, from KERAS_DISTRIBUTION_*.
+import jax
+import keras_vit
+from keras_vit import backups, data as vit_data
+from keras_vit.preemption import StopOnSignal, any_process
+
+mode, folder = sys.argv[1], sys.argv[2]
+keras.distribution.set_distribution(keras.distribution.DataParallel())  # One device per process: two in all.
+keras.utils.set_random_seed(1)
+model = keras_vit.build_vit("testing", image_size=6, num_classes=4, patch_size=3, dropout_rate=0.2,
+                            stochastic_depth_rate=0.1, head_kernel_initializer="glorot_uniform")
+model.compile(keras.optimizers.AdamW(1e-2), keras.losses.CategoricalCrossentropy(from_logits=True))
+model.optimizer.build(model.trainable_variables)
+step = backups.restore_position(model, folder)[1] if mode == "resume" else 0
+backup = backups.Backup(folder, save_freq=4)
+backup.start_step = step
+stop = StopOnSignal(backup, grace_seconds=60, workers=jax.process_count(), agree=any_process())
+
+
+class SignalAt(keras.callbacks.Callback):  # Process 1 alone: SIGTERM at the end of step 3.
+    def on_train_batch_end(self, batch, logs=None):
+        if mode == "signal" and jax.process_index() == 1 and backup.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.model.stop_training = self.model.stop_training or backup.step + 1 >= 6  # 6 steps in all
+
+
+rng = np.random.default_rng(0)
+split = vit_data.Split(rng.integers(0, 256, (20, 6, 6, 3), dtype=np.uint8), np.arange(20, dtype=np.int32) % 4)
+stream = vit_data.training_stream(split, 8, num_classes=4, seed=5, max_shift=1, start_step=step)
+model.fit(stream, epochs=3, initial_epoch=step // 2, steps_per_epoch=2, verbose=0, shuffle=False,
+          callbacks=[SignalAt(), backup, stop])
+np.savez(folder + ".npz", *[keras.ops.convert_to_numpy(w) for w in model.weights])
+print("RESULT " + json.dumps({"signal": stop.signal_number, "step": backup.step,
+                              "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations))}))
+"""
+
+
+def run_jax_processes(mode, folder):
+    """Two JAX processes on 127.0.0.1 with a data-parallel `keras.distribution` across them, each fitting
+    the model with a backup in `folder`-INDEX: their RESULT lines."""
+    from tests.test_distribute import free_ports
+
+    addresses = ",".join(f"127.0.0.1:{port}" for port in free_ports(2))
+    commands = []
+    for index in range(2):
+        env = dict(os.environ, KERAS_BACKEND="jax", KERAS_DISTRIBUTION_JOB_ADDRESSES=addresses,
+                   KERAS_DISTRIBUTION_NUM_PROCESSES="2", KERAS_DISTRIBUTION_PROCESS_ID=str(index),
+                   TF_CPP_MIN_LOG_LEVEL="2")  # fmt: skip
+        env.pop("XLA_FLAGS", None)
+        commands.append(([sys.executable, "-c", JAX_PROCESS, mode, f"{folder}-{index}"], env))
+    outputs = run_together(commands, timeout=300)
+    assert all("RESULT " in output for output in outputs), [output[-3000:] for output in outputs]
+    return [json.loads(output.split("RESULT ", 1)[1].splitlines()[0]) for output in outputs]
+
+
+@pytest.mark.slow
+def test_two_jax_processes_stop_together_on_one_sigterm_and_resume_as_the_whole_run(tmp_path):
+    """Keras' JAX backend, two processes with data parallelism across them: process 1 alone gets SIGTERM
+    at step 3; both stop after that step with a backup each (`any_process`, one gather a step). Resumed,
+    both end with the weights of the uninterrupted two-process run, bit for bit."""
+    whole = run_jax_processes("whole", tmp_path / "whole")
+    assert [(r["signal"], r["iterations"]) for r in whole] == [(None, 6), (None, 6)]
+    stopped = run_jax_processes("signal", tmp_path / "run")
+    assert [(r["signal"], r["step"], r["iterations"]) for r in stopped] == [(signal.SIGTERM, 3, 3)] * 2
+    resumed = run_jax_processes("resume", tmp_path / "run")
+    assert [r["iterations"] for r in resumed] == [6, 6]
+    for index in range(2):
+        expected, got = (np.load(tmp_path / f"{name}-{index}.npz") for name in ("whole", "run"))
+        for key in expected:
+            np.testing.assert_array_equal(expected[key], got[key], err_msg=f"process {index}: {key}")
 
 
 def test_a_fit_stopped_early_keeps_its_backup(tmp_path):
