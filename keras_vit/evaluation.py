@@ -19,6 +19,7 @@ arrays) under a strategy or `keras.distribution` if one is given, times it, and 
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 
 import keras
@@ -251,8 +252,27 @@ def predict_with_labels(model, batches, strategy=None):
         image = keras.Input(model.input_shape[1:], dtype=model.inputs[0].dtype, name="image")
         label = keras.Input(label_spec.shape[1:], dtype=label_spec.dtype, name="label")
         wrapper = keras.Model({"image": image, "label": label}, [model(image), label])
-    logits, labels = wrapper.predict(batches.map(lambda x, y: {"image": x, "label": y}), verbose=0)
+    with _quiet_retracing():
+        logits, labels = wrapper.predict(batches.map(lambda x, y: {"image": x, "label": y}), verbose=0)
     return logits, labels
+
+
+class _RetracingNote(logging.Filter):
+    def filter(self, record):
+        return "triggered tf.function retracing" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_retracing():
+    """Without TensorFlow's warning that a function is traced again and again: each wrapper model makes its own
+    predict function, by design (one per model evaluated), and a job that evaluates a few models on a few splits
+    would log it as if something were wrong."""
+    logger, note = logging.getLogger("tensorflow"), _RetracingNote()
+    logger.addFilter(note)
+    try:
+        yield
+    finally:
+        logger.removeFilter(note)
 
 
 def evaluate(model, data, *, class_names=None, batch_size=64, strategy=None, top_k=5, num_bins=15):

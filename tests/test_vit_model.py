@@ -295,7 +295,7 @@ def test_a_quantized_models_file_keeps_each_layers_quantization_config(tmp_path)
 def test_the_digits_model_after_int8_is_within_a_point_of_float32(digits_main_job):
     from keras_vit import data as vit_data
 
-    workdir, _ = digits_main_job
+    workdir, _, _ = digits_main_job
     model = keras.models.load_model(workdir / "model.keras")
     assert type(model) is ViT and model.class_names == tuple(str(i) for i in range(10))
     test = vit_data.load_digits(image_size=16, test_fraction=0.2, seed=0).test
