@@ -10,7 +10,7 @@ Layer names are stable; the checkpoint converters map onto them:
 |---|---|---|
 | `rescaling` (if `include_rescaling`) | none | pixels / 127.5 - 1, or (pixels / 255 - mean) / std |
 | `resnet` (hybrids only) | see `keras_vit.resnet` | `conv_root`, `gn_root`, `block{s}/unit{u}/*` |
-| `patch_encoder` | `kernel`, `bias`, `class_token`, `position_embedding` (learned) | `embedding/*`, `cls`, posembed |
+| `patch_encoder` | `kernel`, `bias`, `class_token`, `position_embedding`, `register_tokens` | see below |
 | `embedding_dropout` | none | dropout after the position embeddings |
 | `pre_norm` (if `pre_norm`) | `gamma`, `beta` | `pre_norm/{scale,bias}` (timm's `norm_pre`) |
 | `encoderblock_{i}` (i = 0 .. L-1) | see `TransformerBlock` | `Transformer/encoderblock_{i}/*` |
@@ -20,13 +20,16 @@ Layer names are stable; the checkpoint converters map onto them:
 | `pre_logits` (if `representation_size`) | `kernel`, `bias` | `pre_logits/*` |
 | `head` (if `num_classes`) | `kernel`, `bias` | `head/*` |
 
-`posembed` stands for `Transformer/posembed_input/pos_embedding`.
+`posembed` stands for `Transformer/posembed_input/pos_embedding`; the patch encoder's weights are `embedding/*`,
+`cls`, posembed and `reg` (the register tokens, a name no original checkpoint has).
 
 Inside `encoderblock_{i}`: `attention_norm` (LayerNorm_0), `attention`
 (MultiHeadDotProductAttention_1; `qkv_kernel` (D, 3, D) is the query, key and
 value kernels, each reshaped to (D, D), stacked on the middle axis, so its last
 axis is heads x head_dim), `mlp_norm` (LayerNorm_2), `mlp_dense_1` and
-`mlp_dense_2` (MlpBlock_3/Dense_0, Dense_1).
+`mlp_dense_2` (MlpBlock_3/Dense_0, Dense_1); with `layer_scale`, the block's
+weights `attention_scale` and `mlp_scale` (LayerScale_0/scale, LayerScale_1/scale,
+names no original checkpoint has).
 """
 
 import re
@@ -70,6 +73,9 @@ def build_vit(
     pre_norm=False,
     pooled_norm=False,
     layer_norm_epsilon=1e-6,
+    layer_scale=None,
+    num_registers=0,
+    qkv_bias=True,
     preprocessing=None,
     class_names=None,
     name=None,
@@ -125,6 +131,13 @@ def build_vit(
         layer_norm_epsilon: every LayerNorm's epsilon: 1e-6 as the original
             implementation, big_vision and most of timm; timm's CLIP models
             use 1e-5, transformers' `google/vit-*` configs 1e-12.
+        layer_scale: None, or the initial value of learned per-channel scales
+            on each block's two residual branches (LayerScale, CaiT; DeiT III,
+            DINOv2: timm's `init_values`).
+        num_registers: register tokens after the class token (Darcet et al.
+            2023; DINOv2 with registers): attended to, not pooled.
+        qkv_bias: the attention's query, key and value have biases (False:
+            timm's `qkv_bias=False`).
         preprocessing: a `keras_vit.Preprocessing` for photos of any size
             (evaluation and `serving_bytes`), kept by the model; its crop is
             `image_size`, its mean and std the model's.  None: the shorter
@@ -165,6 +178,9 @@ def build_vit(
         pre_norm=pre_norm,
         pooled_norm=pooled_norm,
         layer_norm_epsilon=layer_norm_epsilon,
+        layer_scale=layer_scale,
+        num_registers=num_registers,
+        qkv_bias=qkv_bias,
         preprocessing=preprocessing,
         class_names=class_names,
         **overrides,
@@ -349,6 +365,7 @@ def _graph(spec, dtype=None, shared=None):
         projection=spec.patch_projection,
         position_embedding=spec.position_embedding,
         base_image_size=tuple(side // stride for side in spec.image_size) if spec.dynamic_image_size else None,
+        **({"num_registers": spec.num_registers} if spec.num_registers else {}),
         **policy,
     )(x)
     x = layer("embedding_dropout", vit_layers.Dropout, spec.dropout_rate, **policy)(x)
@@ -366,6 +383,8 @@ def _graph(spec, dtype=None, shared=None):
             stochastic_depth_rate=spec.stochastic_depth_rate * depth_fraction,
             gelu=spec.gelu,
             layer_norm_epsilon=epsilon,
+            **({"layer_scale": spec.layer_scale} if spec.layer_scale is not None else {}),
+            **({} if spec.qkv_bias else {"qkv_bias": False}),
             **policy,
         )(x)
     if not spec.pooled_norm:
@@ -374,7 +393,9 @@ def _graph(spec, dtype=None, shared=None):
         x = layer("pooling", vit_layers.MAPHead, spec.num_heads, spec.mlp_dim, gelu=spec.gelu,
                   layer_norm_epsilon=epsilon, **policy)(x)  # fmt: skip
     else:
-        x = layer("pooling", vit_layers.TokenPooling, spec.classifier, **policy)(x)
+        # Mean pooling reads the patches' tokens, not the registers (first: the model has no class token).
+        skip = {"skip": spec.num_registers} if spec.classifier == "gap" and spec.num_registers else {}
+        x = layer("pooling", vit_layers.TokenPooling, spec.classifier, **skip, **policy)(x)
     if spec.pooled_norm:
         x = layer("pooled_norm", vit_layers.LayerNormalization, epsilon=epsilon, **policy)(x)
     if spec.representation_size:

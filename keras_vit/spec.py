@@ -20,6 +20,7 @@ import numpy as np
 from keras_vit.layers.common import check_positive_int, check_rate
 from keras_vit.layers.core import gelu_activation
 from keras_vit.layers.embedding import PatchEncoder
+from keras_vit.layers.encoder import check_layer_scale
 from keras_vit.preprocessing import Preprocessing
 from keras_vit.resnet import ResNetStem
 from keras_vit.variants import ViTConfig, parse_variant, to_pair
@@ -77,7 +78,7 @@ class ViTSpec:
         representation_size, dropout_rate, attention_dropout_rate,
         stochastic_depth_rate, include_rescaling, head_kernel_initializer,
         patch_projection, gelu, position_embedding, pre_norm, pooled_norm,
-        layer_norm_epsilon.
+        layer_norm_epsilon, layer_scale, num_registers, qkv_bias.
 
     Input:
         pixel_mean, pixel_std: per-channel statistics of pixels in [0, 1]
@@ -117,6 +118,9 @@ class ViTSpec:
     pre_norm: bool = False
     pooled_norm: bool = False
     layer_norm_epsilon: float = 1e-6
+    layer_scale: float = None
+    num_registers: int = 0
+    qkv_bias: bool = True
     preprocessing: Preprocessing = None
     class_names: tuple = None
 
@@ -139,8 +143,13 @@ class ViTSpec:
             )
         if isinstance(self.include_rescaling, (int, np.integer, np.bool_)) and self.include_rescaling in (0, 1):
             store("include_rescaling", bool(self.include_rescaling))  # As build_vit took it: 1, np.True_.
-        for name in ("dynamic_image_size", "include_rescaling", "pre_norm", "pooled_norm"):
+        for name in ("dynamic_image_size", "include_rescaling", "pre_norm", "pooled_norm", "qkv_bias"):
             _check_bool(name, getattr(self, name))
+        store("layer_scale", check_layer_scale(self.layer_scale))
+        if isinstance(self.num_registers, bool) or not isinstance(self.num_registers, (int, np.integer)) or (
+                self.num_registers < 0):
+            raise ValueError(f"`num_registers` must be an integer >= 0. Received: num_registers={self.num_registers!r}")
+        store("num_registers", int(self.num_registers))
         if not isinstance(self.head_kernel_initializer, (str, dict)):
             # Kept as its config, so that specs compare and save by value.
             initializer = keras.initializers.get(self.head_kernel_initializer)

@@ -27,6 +27,11 @@ def gelu_tanh(x):
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
+def gelu_quick(x):
+    """CLIP's x * sigmoid(1.702 x)."""
+    return x / (1.0 + np.exp(-1.702 * x))
+
+
 def softmax(x):
     e = np.exp(x - x.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
@@ -41,6 +46,8 @@ def params_from_model(model):
     if enc.use_class_token:
         p["cls"] = enc.class_token.numpy()
     p["pos_embedding"] = enc.position_embedding.numpy()
+    if getattr(enc, "num_registers", 0):
+        p["registers"] = enc.register_tokens.numpy()
     i = 0
     while True:
         try:
@@ -51,10 +58,14 @@ def params_from_model(model):
         att = block.attention
         dim, heads = att.qkv_kernel.shape[0], att.num_heads
         qkv_kernel = att.qkv_kernel.numpy().reshape(dim, 3, heads, dim // heads)
-        qkv_bias = att.qkv_bias.numpy().reshape(3, heads, dim // heads)
+        qkv_bias = None if att.qkv_bias is None else att.qkv_bias.numpy().reshape(3, heads, dim // heads)
         for j, name in enumerate(("query", "key", "value")):
             p[pre + f"{name}/kernel"] = qkv_kernel[:, j]
-            p[pre + f"{name}/bias"] = qkv_bias[j]
+            if qkv_bias is not None:
+                p[pre + f"{name}/bias"] = qkv_bias[j]
+        if block.attention_scale is not None:
+            p[pre + "attention_scale"] = block.attention_scale.numpy()
+            p[pre + "mlp_scale"] = block.mlp_scale.numpy()
         p[pre + "out/kernel"] = att.output_kernel.numpy().reshape(heads, dim // heads, dim)
         p[pre + "out/bias"] = att.output_bias.numpy()
         for ours, theirs in (("attention_norm", "LayerNorm_0"), ("mlp_norm", "LayerNorm_2")):
@@ -85,7 +96,14 @@ def vit_forward(params, num_layers, images, classifier="token", rescale=True, at
     [batch, heads, tokens, tokens] are appended to it.  `rescale`: pixels in
     [0, 255] to [-1, 1], or with `mean` and `std` to (x / 255 - mean) / std.
     `eps`: the LayerNorms' epsilon; `activation`: the MLPs' (`gelu`, the
-    default, or `gelu_tanh`).
+    default, `gelu_tanh` or `gelu_quick`).
+
+    Options, by the params present: `registers` (1, R, D), tokens placed
+    after the class token once the positions are added (Darcet et al. 2023),
+    left out of "gap"'s mean; a block's `attention_scale` and `mlp_scale`
+    (D,), LayerScale's per-channel factors on its two residual branches
+    (CaiT, Touvron et al. 2021, eq. 3); a block without `query/bias` (and
+    key, value) projects without biases.
     """
     activation = activation or gelu
     x = np.asarray(images, np.float64)
@@ -106,6 +124,10 @@ def vit_forward(params, num_layers, images, classifier="token", rescale=True, at
     if classifier == "token":
         z = np.concatenate([np.repeat(params["cls"], batch, axis=0), z], axis=1)
     z = z + params["pos_embedding"]
+    registers = params.get("registers")
+    prefix = int(classifier == "token")
+    if registers is not None:
+        z = np.concatenate([z[:, :prefix], np.repeat(registers, batch, axis=0), z[:, prefix:]], axis=1)
     for i in range(num_layers):
         pre = f"encoderblock_{i}/"
         # Eq. 2: z' = MSA(LN(z)) + z.
@@ -114,22 +136,25 @@ def vit_forward(params, num_layers, images, classifier="token", rescale=True, at
         out = np.zeros_like(z)
         layer_attention = []
         for h in range(heads):
-            q = y @ params[pre + "query/kernel"][:, h] + params[pre + "query/bias"][h]
-            k = y @ params[pre + "key/kernel"][:, h] + params[pre + "key/bias"][h]
-            v = y @ params[pre + "value/kernel"][:, h] + params[pre + "value/bias"][h]
+            q, k, v = (
+                y @ params[pre + f"{name}/kernel"][:, h] + (params[pre + f"{name}/bias"][h]
+                                                            if pre + f"{name}/bias" in params else 0.0)
+                for name in ("query", "key", "value")
+            )
             a = softmax(q @ k.transpose(0, 2, 1) / math.sqrt(q.shape[-1]))
             out += (a @ v) @ params[pre + "out/kernel"][h]
             layer_attention.append(a)
         if attention is not None:
             attention.append(np.stack(layer_attention, axis=1))
-        z = z + out + params[pre + "out/bias"]
+        z = z + (out + params[pre + "out/bias"]) * params.get(pre + "attention_scale", 1.0)
         # Eq. 3: z = MLP(LN(z')) + z'.
         y = layer_norm(z, params[pre + "LayerNorm_2/scale"], params[pre + "LayerNorm_2/bias"], eps)
         y = activation(y @ params[pre + "Dense_0/kernel"] + params[pre + "Dense_0/bias"])
-        z = z + y @ params[pre + "Dense_1/kernel"] + params[pre + "Dense_1/bias"]
+        z = z + (y @ params[pre + "Dense_1/kernel"] + params[pre + "Dense_1/bias"]) * params.get(pre + "mlp_scale", 1.0)
     # Eq. 4: y = LN(z_L^0) (or the mean of the tokens for "gap").
     z = layer_norm(z, params["encoder_norm/scale"], params["encoder_norm/bias"], eps)
-    pooled = z[:, 0] if classifier == "token" else z.mean(axis=1)
+    skip = 0 if registers is None else registers.shape[1]
+    pooled = z[:, 0] if classifier == "token" else z[:, skip:].mean(axis=1)
     if "pre_logits/kernel" in params:
         pooled = np.tanh(pooled @ params["pre_logits/kernel"] + params["pre_logits/bias"])
     if "head/kernel" in params:

@@ -57,6 +57,68 @@ def test_tanh_gelu_matches_numpy_reference():
     assert [model.get_layer(f"encoderblock_{i}").gelu for i in range(num_layers)] == ["tanh"] * num_layers
 
 
+# The options of the ViT family beyond the paper, each alone and together, as DINOv2 (with registers), DeiT III,
+# OpenAI CLIP and timm's qkv_bias=False models combine them.
+FAMILY_OPTIONS = {
+    "layer_scale": dict(layer_scale=1e-5),
+    "registers": dict(num_registers=3),
+    "registers_gap": dict(num_registers=2, classifier="gap"),
+    "no_qkv_bias": dict(qkv_bias=False),
+    "quick_gelu": dict(gelu="quick"),
+    "dinov2_registers": dict(layer_scale=1e-5, num_registers=4),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILY_OPTIONS))
+def test_family_options_match_the_numpy_reference_and_survive_saving(name, tmp_path):
+    """Each option against the NumPy reference written from its paper within 1e-5, clearly apart from the
+    model without it (the same weights where both have them), and restored whole by `load_model`."""
+    kwargs = FAMILY_OPTIONS[name]
+    model = randomize_weights(small_vit(**kwargs))
+    images = random_images((3, 8, 12, 3))
+    params, num_layers = numpy_vit.params_from_model(model)
+    activation = numpy_vit.gelu_quick if kwargs.get("gelu") == "quick" else None
+    classifier = kwargs.get("classifier", "token")
+    expected = numpy_vit.vit_forward(params, num_layers, images, classifier=classifier, activation=activation)
+    got = model.predict(images, verbose=0)
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert np.ptp(expected, axis=0).max() > 0.1
+    # Without the option (the options' own weights dropped, the rest kept): other logits.
+    plain = {k: v for k, v in params.items() if not k.endswith(("_scale", "registers"))}
+    if kwargs.get("qkv_bias") is False:
+        plain = {**plain, **{k.replace("/kernel", "/bias"): np.full(v.shape[1:], 0.3) for k, v in plain.items()
+                             if k.endswith(("query/kernel", "key/kernel", "value/kernel"))}}  # fmt: skip
+    without = numpy_vit.vit_forward(plain, num_layers, images, classifier=classifier,
+                                    activation=None if activation is not None else numpy_vit.gelu_quick)  # fmt: skip
+    assert np.abs(without - expected).max() > 1e-3
+    model.save(tmp_path / "model.keras")
+    reloaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert reloaded.spec == model.spec
+    np.testing.assert_array_equal(reloaded.predict(images, verbose=0), got)
+
+
+def test_family_options_have_their_parameter_counts_and_the_defaults_build_as_before():
+    """Exact counts: LayerScale adds 2 D per block, registers R D, qkv_bias=False removes 3 D per block; the
+    default model's layers, weights and config carry none of it."""
+    base = small_vit()
+    dim, layers = SMALL["hidden_dim"], SMALL["num_layers"]
+    assert small_vit(layer_scale=1e-6).count_params() == base.count_params() + 2 * dim * layers
+    assert small_vit(num_registers=4).count_params() == base.count_params() + 4 * dim
+    assert small_vit(qkv_bias=False).count_params() == base.count_params() - 3 * dim * layers
+    assert small_vit(gelu="quick").count_params() == base.count_params()
+    names = {w.path for w in base.weights}
+    assert not any(("scale" in n and "norm" not in n) or "register" in n for n in names), names
+    block = base.get_layer("encoderblock_0").get_config()
+    assert block["layer_scale"] is None and block["qkv_bias"] is True
+    assert base.get_layer("patch_encoder").get_config()["num_registers"] == 0
+    with pytest.raises(ValueError, match="layer_scale"):
+        small_vit(layer_scale=0.0)
+    with pytest.raises(ValueError, match="num_registers"):
+        small_vit(num_registers=-1)
+    with pytest.raises(ValueError, match="quick"):
+        small_vit(gelu="swish")
+
+
 def test_uint8_and_float_pixels_give_the_same_output():
     model = randomize_weights(small_vit())
     images = random_images((2, 8, 12, 3))

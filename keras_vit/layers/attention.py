@@ -30,6 +30,8 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
         num_heads: number of heads; the input width must be divisible by it.
         dropout_rate: dropout on the attention probabilities.
         seed: seed of the dropout.
+        qkv_bias: the query, key and value projections have biases (the
+            paper's; False: none, as timm's `qkv_bias=False` models).
 
     Call args:
         inputs: (batch, tokens, hidden).
@@ -37,8 +39,8 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
         return_attention_scores: also return the attention probabilities,
             (batch, heads, tokens, tokens).
 
-    Weights: `qkv_kernel` (hidden, 3, hidden), `qkv_bias` (3, hidden),
-    `output_kernel` (hidden, hidden), `output_bias` (hidden,). Quantized to
+    Weights: `qkv_kernel` (hidden, 3, hidden), `qkv_bias` (3, hidden) (unless
+    `qkv_bias=False`), `output_kernel` (hidden, hidden), `output_bias` (hidden,). Quantized to
     int8 (`model.quantize("int8")`, `keras_vit.layers.quantization`), both
     kernels are int8 with a float `qkv_kernel_scale` (3, hidden) and
     `output_kernel_scale` (hidden,).
@@ -51,11 +53,14 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
 
     QUANTIZED_KERNELS = ("qkv_kernel", "output_kernel")
 
-    def __init__(self, num_heads, dropout_rate=0.0, seed=None, **kwargs):
+    def __init__(self, num_heads, dropout_rate=0.0, seed=None, qkv_bias=True, **kwargs):
         super().__init__(**kwargs)
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.dropout_rate = check_rate("dropout_rate", dropout_rate)
         self.seed = seed
+        if not isinstance(qkv_bias, bool):
+            raise ValueError(f"`qkv_bias` must be True or False. Received: qkv_bias={qkv_bias!r}")
+        self.use_qkv_bias = qkv_bias
 
     def build(self, input_shape):
         hidden = input_shape[-1]
@@ -64,7 +69,7 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
                 "The input width must be divisible by `num_heads`. Received: input_shape="
                 f"{tuple(input_shape)}, num_heads={self.num_heads}"
             )
-        self.qkv_kernel, self.qkv_bias = add_stacked_projections(self, "qkv", 3, hidden)
+        self.qkv_kernel, self.qkv_bias = add_stacked_projections(self, "qkv", 3, hidden, bias=self.use_qkv_bias)
         self.output_kernel = self.add_weight(
             name="output_kernel", shape=(hidden, hidden), initializer="glorot_uniform"
         )
@@ -102,6 +107,8 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
         # Keras keys a layer's own variables by creation order, trainable ones first:
         # `build` creates qkv_kernel first, then qkv_bias.
         for key, variable in (("0", self.qkv_kernel), ("1", self.qkv_bias)):
+            if variable is None:
+                continue
             shape = tuple(variable.shape)
             flat = (*shape[:-2], shape[-2] * shape[-1])
             if key in arrays and tuple(arrays[key].shape) == flat:
@@ -114,4 +121,5 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
             "num_heads": self.num_heads,
             "dropout_rate": self.dropout_rate,
             "seed": self.seed,
+            "qkv_bias": self.use_qkv_bias,
         }

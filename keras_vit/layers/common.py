@@ -24,9 +24,10 @@ def check_positive_int(name, value, optional=False):
     return value
 
 
-def add_stacked_projections(layer, name, count, hidden):
+def add_stacked_projections(layer, name, count, hidden, bias=True):
     """Creates `count` (hidden, hidden) projections stacked on the middle axis: `<name>_kernel`
-    (hidden, count, hidden) and `<name>_bias` (count, hidden), in that order; returns both.
+    (hidden, count, hidden) and `<name>_bias` (count, hidden), in that order; returns both (the bias None
+    with `bias=False`).
 
     The kernel is Glorot-uniform as if each projection were its own (hidden, hidden) kernel: the
     limit sqrt(6 / (hidden + hidden)). Keras' fans of a 3-D kernel would count the first axis as a
@@ -38,5 +39,6 @@ def add_stacked_projections(layer, name, count, hidden):
         shape=(hidden, count, hidden),
         initializer=keras.initializers.RandomUniform(-limit, limit),
     )
-    bias = layer.add_weight(name=f"{name}_bias", shape=(count, hidden), initializer="zeros")
-    return kernel, bias
+    if not bias:
+        return kernel, None
+    return kernel, layer.add_weight(name=f"{name}_bias", shape=(count, hidden), initializer="zeros")

@@ -10,9 +10,10 @@ import keras
 from keras_vit import kernels
 from keras_vit.layers.common import register
 
-# The MLP's GELU: "exact" (x Phi(x), the paper's) or "tanh" (its approximation, as Flax's
-# `nn.gelu` computes it in the original implementation and big_vision).
-GELUS = ("exact", "tanh")
+# The MLP's GELU: "exact" (x Phi(x), the paper's), "tanh" (its approximation, as Flax's
+# `nn.gelu` computes it in the original implementation and big_vision) or "quick" (OpenAI CLIP's
+# x sigmoid(1.702 x)).
+GELUS = ("exact", "tanh", "quick")
 
 
 @register
@@ -26,17 +27,29 @@ def gelu_tanh(x):
     return kernels.reference.gelu_tanh(x)
 
 
+@register
+def gelu_quick(x):
+    """The "quick GELU" of OpenAI's CLIP models (Radford et al. 2021; timm's `QuickGELU`, transformers'
+    "quick_gelu"), a registered activation: x * sigmoid(1.702 x), a sigmoid approximation of x Phi(x)
+    (Hendrycks and Gimpel 2016, section 2).
+
+    >>> round(float(gelu_quick(keras.ops.convert_to_tensor(1.0))), 6)
+    0.845796
+    """
+    return x * keras.ops.sigmoid(1.702 * x)
+
+
 def gelu_activation(gelu):
-    """The `Dense` activation of the GELU named `gelu` ("exact" or "tanh"); a ValueError otherwise."""
+    """The `Dense` activation of the GELU named `gelu` ("exact", "tanh" or "quick"); a ValueError otherwise."""
     if gelu not in GELUS:
         raise ValueError(f"`gelu` must be one of {GELUS}. Received: gelu={gelu!r}")
-    return "gelu" if gelu == "exact" else gelu_tanh
+    return {"exact": "gelu", "tanh": gelu_tanh, "quick": gelu_quick}[gelu]
 
 
 @register
 class Dense(keras.layers.Dense):
     """`keras.layers.Dense` computed by `kernels.dense`; activation "gelu" is the exact GELU,
-    `gelu_tanh` its tanh approximation.
+    `gelu_tanh` its tanh approximation (both fused with the matmul where a kernel can), `gelu_quick` CLIP's.
 
     >>> tuple(Dense(4, activation="gelu")(keras.ops.ones((2, 3, 5))).shape)
     (2, 3, 4)

@@ -168,6 +168,10 @@ class PatchEncoder(keras.layers.Layer):
         kernel_initializer: initializer of the projection kernel.
         position_embedding: "learned" or "sincos2d" (fixed; hidden_dim a
             multiple of 4, at least 8).
+        num_registers: register tokens (Darcet et al. 2023, "Vision
+            Transformers Need Registers"): learned tokens inserted after the
+            class token, with no position embedding, that the blocks attend
+            to and the head does not read.  0: none.
         base_image_size: (height, width) or None.  Set, the layer takes
             images of any size whose sides divide by the patch size (timm's
             `dynamic_img_size`): its weights are made for this size's patch
@@ -178,7 +182,9 @@ class PatchEncoder(keras.layers.Layer):
 
     Weights: `kernel` (patch_h, patch_w, channels, hidden_dim), `bias`
     (hidden_dim,), `class_token` (1, 1, hidden_dim), `position_embedding`
-    (1, tokens, hidden_dim) if learned. With "sincos2d" the attribute
+    (1, tokens, hidden_dim) if learned (a row for the class token and one for
+    each patch), `register_tokens` (1, num_registers, hidden_dim) with
+    registers. With "sincos2d" the attribute
     `position_embedding` is the fixed (1, tokens, hidden_dim) NumPy array
     (a zero row for the class token) instead.
 
@@ -199,10 +205,14 @@ class PatchEncoder(keras.layers.Layer):
         kernel_initializer="lecun_normal",
         position_embedding="learned",
         base_image_size=None,
+        num_registers=0,
         **kwargs,
     ):
         super().__init__(**kwargs)
         self.hidden_dim = check_positive_int("hidden_dim", hidden_dim)
+        if isinstance(num_registers, bool) or not isinstance(num_registers, int) or num_registers < 0:
+            raise ValueError(f"`num_registers` must be an integer >= 0. Received: num_registers={num_registers!r}")
+        self.num_registers = num_registers
         self.base_image_size = None if base_image_size is None else to_pair(base_image_size, "base_image_size")
         self.patch_size = to_pair(patch_size, "patch_size")
         self.use_class_token = bool(use_class_token)
@@ -237,6 +247,12 @@ class PatchEncoder(keras.layers.Layer):
         if self.use_class_token:
             self.class_token = self.add_weight(
                 name="class_token", shape=(1, 1, self.hidden_dim), initializer="zeros"
+            )
+        if self.num_registers:
+            # timm's initialisation of its reg_token: registers must differ from each other to learn apart.
+            self.register_tokens = self.add_weight(
+                name="register_tokens", shape=(1, self.num_registers, self.hidden_dim),
+                initializer=keras.initializers.RandomNormal(stddev=1e-6),
             )
         tokens = self.num_patches + self.use_class_token
         if self.position_embedding_type == "learned":
@@ -276,7 +292,13 @@ class PatchEncoder(keras.layers.Layer):
             class_token = ops.cast(self.class_token, self.compute_dtype)
             class_token = ops.broadcast_to(class_token, (ops.shape(x)[0], 1, self.hidden_dim))
             x = ops.concatenate([class_token, x], axis=1)
-        return x + ops.cast(positions, self.compute_dtype)
+        x = x + ops.cast(positions, self.compute_dtype)
+        if self.num_registers:
+            registers = ops.cast(self.register_tokens, self.compute_dtype)
+            registers = ops.broadcast_to(registers, (ops.shape(x)[0], self.num_registers, self.hidden_dim))
+            first = int(self.use_class_token)
+            x = ops.concatenate([x[:, :first], registers, x[:, first:]], axis=1)
+        return x
 
     def _input_grid(self, images):
         """The patch grid of images of any size (with `base_image_size`), checked: read from their shape."""
@@ -317,10 +339,15 @@ class PatchEncoder(keras.layers.Layer):
             height, width = input_shape[1], input_shape[2]
             tokens = None
             if height is not None and width is not None:
-                tokens = (height // self.patch_size[0]) * (width // self.patch_size[1]) + self.use_class_token
+                tokens = (height // self.patch_size[0]) * (width // self.patch_size[1]) + self.num_prefix_tokens
             return (input_shape[0], tokens, self.hidden_dim)
         gh, gw = check_image_shape("PatchEncoder", input_shape, self.patch_size)
-        return (input_shape[0], gh * gw + self.use_class_token, self.hidden_dim)
+        return (input_shape[0], gh * gw + self.num_prefix_tokens, self.hidden_dim)
+
+    @property
+    def num_prefix_tokens(self):
+        """The tokens before the patches': the class token (if any), then the registers."""
+        return int(self.use_class_token) + self.num_registers
 
     def get_config(self):
         return {
@@ -332,4 +359,5 @@ class PatchEncoder(keras.layers.Layer):
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
             "position_embedding": self.position_embedding_type,
             "base_image_size": self.base_image_size,
+            "num_registers": self.num_registers,
         }

@@ -14,9 +14,14 @@ from keras_vit.layers.quantization import Int8Kernels
 class TransformerBlock(keras.layers.Layer):
     """One pre-norm encoder block (paper eq. 2-3).
 
-    z' = z + DropPath(Dropout(MSA(LN(z))))
-    z  = z' + DropPath(MLP(LN(z'))),  MLP = Dense(mlp_dim) -> GELU -> Dropout ->
+    z' = z + DropPath(g_1 * Dropout(MSA(LN(z))))
+    z  = z' + DropPath(g_2 * MLP(LN(z'))),  MLP = Dense(mlp_dim) -> GELU -> Dropout ->
          Dense(hidden) -> Dropout
+
+    g_1 and g_2 are 1 unless `layer_scale` is set: then they are learned
+    per-channel scales (LayerScale, Touvron et al. 2021, "Going deeper with
+    Image Transformers" (CaiT), section 2; DeiT III and DINOv2 use it),
+    initialised to `layer_scale`.
 
     Args:
         num_heads: attention heads.
@@ -27,11 +32,16 @@ class TransformerBlock(keras.layers.Layer):
             branches for a whole sample in training (Huang et al. 2016).
         layer_norm_epsilon: 1e-6, as in the original implementation.
         seed: seed of the dropouts and of stochastic depth.
-        gelu: the MLP's GELU, "exact" or "tanh" (the approximation the
-            original implementation and big_vision compute).
+        gelu: the MLP's GELU, "exact", "tanh" (the approximation the
+            original implementation and big_vision compute) or "quick" (CLIP's).
+        layer_scale: None (no scales), or the initial value of the
+            LayerScale weights (timm's `init_values`: 1e-5 for DINOv2, 1e-6
+            for DeiT III's deeper models).
+        qkv_bias: the attention's query, key and value have biases.
 
     Sublayers: `attention_norm`, `attention`, `mlp_norm`, `mlp_dense_1`,
-    `mlp_dense_2`.
+    `mlp_dense_2`; weights `attention_scale` and `mlp_scale` (hidden,) with
+    `layer_scale`.
 
     >>> block = TransformerBlock(num_heads=2, mlp_dim=16)
     >>> tuple(block(keras.ops.zeros((1, 5, 8))).shape)
@@ -48,11 +58,17 @@ class TransformerBlock(keras.layers.Layer):
         layer_norm_epsilon=1e-6,
         seed=None,
         gelu="exact",
+        layer_scale=None,
+        qkv_bias=True,
         **kwargs,
     ):
         super().__init__(**kwargs)
         gelu_activation(gelu)  # Validates it now rather than at build time.
         self.gelu = gelu
+        self.layer_scale = check_layer_scale(layer_scale)
+        if not isinstance(qkv_bias, bool):
+            raise ValueError(f"`qkv_bias` must be True or False. Received: qkv_bias={qkv_bias!r}")
+        self.qkv_bias = qkv_bias
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.mlp_dim = check_positive_int("mlp_dim", mlp_dim)
         self.dropout_rate = check_rate("dropout_rate", dropout_rate)
@@ -70,13 +86,19 @@ class TransformerBlock(keras.layers.Layer):
         hidden, policy = input_shape[-1], self.dtype_policy
         self.attention_norm = LayerNormalization(epsilon=self.layer_norm_epsilon, dtype=policy, name="attention_norm")
         self.attention = MultiHeadSelfAttention(
-            self.num_heads, dropout_rate=self.attention_dropout_rate, seed=self.seed, dtype=policy, name="attention"
+            self.num_heads, dropout_rate=self.attention_dropout_rate, seed=self.seed, qkv_bias=self.qkv_bias,
+            dtype=policy, name="attention",
         )
         self.mlp_norm = LayerNormalization(epsilon=self.layer_norm_epsilon, dtype=policy, name="mlp_norm")
         self.mlp_dense_1 = Dense(self.mlp_dim, activation=gelu_activation(self.gelu), dtype=policy, name="mlp_dense_1")
         self.mlp_dense_2 = Dense(hidden, dtype=policy, name="mlp_dense_2")
         self.dropout = Dropout(self.dropout_rate, seed=self.seed, dtype=policy)
         self.seed_generator = keras.random.SeedGenerator(self.seed)
+        self.attention_scale = self.mlp_scale = None
+        if self.layer_scale is not None:
+            initial = keras.initializers.Constant(self.layer_scale)
+            self.attention_scale = self.add_weight(name="attention_scale", shape=(hidden,), initializer=initial)
+            self.mlp_scale = self.add_weight(name="mlp_scale", shape=(hidden,), initializer=initial)
         for layer, shape in (
             (self.attention_norm, input_shape),
             (self.attention, input_shape),
@@ -97,14 +119,19 @@ class TransformerBlock(keras.layers.Layer):
         )
         if return_attention_scores:
             attended, scores = attended
-        x = inputs + self._drop_path(self.dropout(attended, training=training), training)
+        x = inputs + self._drop_path(self._scaled(self.dropout(attended, training=training), self.attention_scale),
+                                     training)  # fmt: skip
         # Eq. 3: z = MLP(LN(z')) + z'.
         y = self.mlp_dense_1(self.mlp_norm(x, training=training))
         y = self.mlp_dense_2(self.dropout(y, training=training))
-        outputs = x + self._drop_path(self.dropout(y, training=training), training)
+        outputs = x + self._drop_path(self._scaled(self.dropout(y, training=training), self.mlp_scale), training)
         if return_attention_scores:
             return outputs, scores
         return outputs
+
+    def _scaled(self, x, scale):
+        """x times a LayerScale weight (per channel), or x itself without one."""
+        return x if scale is None else x * ops.cast(scale, x.dtype)
 
     def _drop_path(self, x, training):
         """Stochastic depth: zero the residual branch of whole samples, scale the rest by 1 / keep."""
@@ -128,15 +155,29 @@ class TransformerBlock(keras.layers.Layer):
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "seed": self.seed,
             "gelu": self.gelu,
+            "layer_scale": self.layer_scale,
+            "qkv_bias": self.qkv_bias,
         }
+
+
+def check_layer_scale(value):
+    """None, or a LayerScale's initial value: a finite positive float."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"`layer_scale` must be None or a positive number (the scales' initial value). "
+                         f"Received: layer_scale={value!r}")  # fmt: skip
+    return float(value)
 
 
 @register
 class TokenPooling(keras.layers.Layer):
     """Pools the encoder's tokens into one vector per image (paper eq. 4's z_L^0).
 
-    "token": the class token (the first token); "gap": the mean of all tokens
-    (models built with classifier "gap" have no class token).
+    "token": the class token (the first token); "gap": the mean of the tokens
+    after the first `skip` (models built with classifier "gap" have no class
+    token; register tokens, which come first, are left out as timm leaves
+    them out).
 
     >>> tuple(TokenPooling("gap")(keras.ops.ones((2, 5, 8))).shape)
     (2, 8)
@@ -144,22 +185,25 @@ class TokenPooling(keras.layers.Layer):
 
     METHODS = ("token", "gap")
 
-    def __init__(self, method="token", **kwargs):
+    def __init__(self, method="token", skip=0, **kwargs):
         super().__init__(**kwargs)
         if method not in self.METHODS:
             raise ValueError(f"`method` must be one of {self.METHODS}. Received: method={method!r}")
         self.method = method
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+            raise ValueError(f"`skip` must be an integer >= 0. Received: skip={skip!r}")
+        self.skip = skip
 
     def call(self, tokens):
         if self.method == "token":
             return tokens[:, 0]
-        return ops.mean(tokens, axis=1)
+        return ops.mean(tokens[:, self.skip :], axis=1)
 
     def compute_output_shape(self, input_shape):
         return (input_shape[0], input_shape[-1])
 
     def get_config(self):
-        return {**super().get_config(), "method": self.method}
+        return {**super().get_config(), "method": self.method, "skip": self.skip}
 
 
 @register
