@@ -263,12 +263,12 @@ def test_what_cannot_be_read_is_named_with_the_layouts_tried(tmp_path):
     transformers_folder(tmp_path / "swin", model_type="swin")
     with pytest.raises(PretrainedError, match=r"transformers 'swin' model; only model_type 'vit'"):
         keras_vit.from_pretrained(tmp_path / "swin")
-    timm_folder(tmp_path / "deit3", architecture="deit3_small_patch16_224")
-    with pytest.raises(PretrainedError, match=r"'deit3_small_patch16_224' has layer scale"):
-        keras_vit.from_pretrained(tmp_path / "deit3")
-    timm_folder(tmp_path / "quick", model_args={"act_layer": "quick_gelu"})
-    with pytest.raises(PretrainedError, match=r"act_layer='quick_gelu'"):
-        keras_vit.from_pretrained(tmp_path / "quick")
+    timm_folder(tmp_path / "distilled", architecture="deit_small_distilled_patch16_224")
+    with pytest.raises(PretrainedError, match=r"'deit_small_distilled_patch16_224' has DeiT's distillation token"):
+        keras_vit.from_pretrained(tmp_path / "distilled")
+    timm_folder(tmp_path / "silu", model_args={"act_layer": "silu"})
+    with pytest.raises(PretrainedError, match=r"act_layer='silu'"):
+        keras_vit.from_pretrained(tmp_path / "silu")
     # An architecture outside the table: its heads are asked for, then read.
     timm_folder(tmp_path / "own", architecture="my_vit")
     with pytest.raises(PretrainedError, match=r"heads is in no config \(timm architecture 'my_vit'\); pass num_heads="):
@@ -464,6 +464,13 @@ TIMM_CASES = {
     "clip": ("vit_base_patch16_clip_224", dict(embed_dim=16, depth=2, num_heads=4)),
     "siglip": ("vit_base_patch16_siglip_224", dict(embed_dim=16, depth=2, num_heads=4)),
     "gap": ("vit_base_patch16_gap_224", dict(embed_dim=32, depth=2)),
+    # The ViT family: layer scale (DeiT III, DINOv2), registers (DINOv2 with registers), OpenAI CLIP's quick
+    # GELU, query/key/value without bias (timm's MIIL ImageNet-21k model).
+    "deit3": ("deit3_small_patch16_224", dict(embed_dim=16, depth=2, num_heads=4)),
+    "dinov2": ("vit_small_patch14_dinov2", dict(embed_dim=16, depth=2, num_heads=4)),
+    "dinov2_registers": ("vit_small_patch14_reg4_dinov2", dict(embed_dim=16, depth=2, num_heads=4)),
+    "clip_quickgelu": ("vit_base_patch16_clip_quickgelu_224", dict(embed_dim=16, depth=2, num_heads=4)),
+    "miil": ("vit_base_patch16_224_miil", dict(embed_dim=16, depth=2, num_heads=4)),
 }
 for _, _args in TIMM_CASES.values():
     _args.update(img_size=32, patch_size=8, num_classes=5)

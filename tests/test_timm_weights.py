@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -59,6 +60,18 @@ CASES = {
         dict(classifier="map", gelu="tanh"),
         {"class_token": False, "global_pool": "map", "act_layer": "gelu_tanh"},
     ),
+    # The ViT family's options, in the combinations timm's models use them.
+    "deit3": (dict(layer_scale=1e-6), {"init_values": 1e-6, "no_embed_class": True}),
+    "registers": (dict(num_registers=4), {"reg_tokens": 4}),  # position rows for the registers, folded
+    "dinov2_registers": (
+        dict(layer_scale=1e-5, num_registers=4), {"init_values": 1e-5, "reg_tokens": 4, "no_embed_class": True}
+    ),
+    "registers_gap": (
+        dict(num_registers=2, classifier="gap", pooled_norm=True),
+        {"reg_tokens": 2, "class_token": False, "global_pool": "avg", "no_embed_class": True},
+    ),
+    "quick_gelu": (dict(gelu="quick", pre_norm=True), {"act_layer": "quick_gelu", "pre_norm": True}),
+    "no_qkv_bias": (dict(qkv_bias=False), {"qkv_bias": False}),
 }
 
 
@@ -184,11 +197,34 @@ def test_missing_key_is_named_in_timms_names(state_dict, tmp_path):
 
 
 def test_unsupported_timm_parts_are_named(state_dict, tmp_path):
-    state_dict["blocks.0.ls1.gamma"] = np.ones(16, "float32")
-    state_dict["reg_token"] = np.zeros((1, 4, 16), "float32")
+    state_dict["blocks.0.attn.q_norm.weight"] = np.ones(4, "float32")
+    state_dict["dist_token"] = np.zeros((1, 1, 16), "float32")
     assert_fails_unchanged(
-        state_dict, tmp_path, r"no place for.*'blocks.0.ls1.gamma', 'reg_token'.*layer scale.*register tokens"
+        state_dict, tmp_path,
+        r"no place for.*'blocks.0.attn.q_norm.weight', 'dist_token'.*distillation token.*query-key normalisation",
     )
+
+
+@pytest.mark.parametrize("part", ["layer_scale", "registers", "no_qkv_bias"])
+def test_a_file_and_a_model_that_differ_in_an_option_name_it(state_dict, tmp_path, part):
+    """A file with layer scale or registers, or without query/key/value biases, into a model built otherwise
+    (and the other way round): the option to build with, named, and nothing loaded."""
+    option, built, pattern = {
+        "layer_scale": ({"blocks.0.ls1.gamma": (16,), "blocks.0.ls2.gamma": (16,), "blocks.1.ls1.gamma": (16,),
+                         "blocks.1.ls2.gamma": (16,)}, dict(layer_scale=1e-5), "layer_scale"),
+        "registers": ({"reg_token": (1, 2, 16)}, dict(num_registers=2), "num_registers"),
+        "no_qkv_bias": ({}, dict(qkv_bias=False), "qkv_bias"),
+    }[part]  # fmt: skip
+    with_option = dict(state_dict)
+    with_option.update({key: np.full(shape, 0.5, "float32") for key, shape in option.items()})
+    if part == "no_qkv_bias":
+        with_option = {k: v for k, v in with_option.items() if not k.endswith("attn.qkv.bias")}
+    if part == "no_qkv_bias":  # The option removes a part: the file lacks what the default model has.
+        assert_fails_unchanged(with_option, tmp_path, r"has no key 'blocks.0.attn.qkv.bias'.*qkv_bias=False")
+        assert_fails_unchanged(state_dict, tmp_path, r"biases: \['blocks.0.attn.qkv.bias'.*qkv_bias=True", **built)
+    else:
+        assert_fails_unchanged(with_option, tmp_path, rf"which the model lacks. Build it with {pattern}=")
+        assert_fails_unchanged(state_dict, tmp_path, rf"has no key .*Build it with {pattern}=", **built)
 
 
 def test_wrong_shapes_are_named(state_dict, tmp_path):
@@ -319,6 +355,8 @@ SIZES = {
     "token": [(16, 16), (24, 24), (8, 12)],
     "no_embed_class": [(16, 16), (24, 16)],
     "map_tanh": [(16, 16), (24, 24)],
+    "registers": [(16, 16), (24, 16)],
+    "dinov2_registers": [(16, 16), (28, 28)],
 }
 
 
@@ -362,3 +400,26 @@ def test_timm_files_give_timms_outputs_at_every_size(timm_reference, name):
         # Measured: within 1e-6 at every size; bicubic without antialias is 6e-3 off at 24 px.
         np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5, err_msg=f"{name} at {height}x{width}")
         assert np.ptp(expected, axis=0).max() > 0.1
+
+
+def test_the_timm_table_opens_the_family_the_library_builds_and_names_what_it_refuses(tmp_path):
+    """The rows of timm's ViT architectures: those whose parts the library builds open (DINOv2 with and without
+    registers, DeiT III, quick-GELU CLIP, MIIL among them), the count docs/checkpoints.md states; a refused
+    one is refused by from_pretrained naming its parts, before any array is read."""
+    from keras_vit.checkpoints.readers import timm_refusals
+    from keras_vit.checkpoints.timm_architectures import TIMM_ARCHITECTURES
+
+    opens = {name for name, row in TIMM_ARCHITECTURES.items() if not timm_refusals(row)}
+    assert {"vit_base_patch14_dinov2", "vit_large_patch14_reg4_dinov2", "deit3_base_patch16_224",
+            "vit_base_patch16_clip_quickgelu_224", "vit_base_patch16_224_miil", "vit_base_patch16_224"} <= opens
+    docs = (pathlib.Path(__file__).parents[1] / "docs" / "checkpoints.md").read_text()
+    refused = len(TIMM_ARCHITECTURES) - len(opens)
+    assert f"Of the {len(TIMM_ARCHITECTURES)} architectures" in docs
+    assert f"{len(opens)} open; the {refused} left" in docs
+    assert timm_refusals(TIMM_ARCHITECTURES["vit_giant_patch14_reg4_dinov2"]) == ["a gated (SwiGLU) MLP"]
+    folder = tmp_path / "distilled"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architecture": "deit_tiny_distilled_patch16_224"}))
+    checkpoints.write_safetensors({"cls_token": np.zeros((1, 1, 16), "float32")}, str(folder / "model.safetensors"))
+    with pytest.raises(Exception, match="deit_tiny_distilled_patch16_224' has DeiT's distillation token"):
+        keras_vit.from_pretrained(folder)

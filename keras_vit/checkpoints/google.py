@@ -39,6 +39,8 @@ _TOP_LEVEL = {
     "embedding/kernel": "patch_encoder/kernel",
     "embedding/bias": "patch_encoder/bias",
     "cls": "patch_encoder/class_token",
+    # Names no original checkpoint has: register tokens (timm's reg_token) and LayerScale (the blocks' below).
+    "reg": "patch_encoder/register_tokens",
     POSEMB: "patch_encoder/position_embedding",
     "Transformer/encoder_norm/scale": "encoder_norm/gamma",
     "Transformer/encoder_norm/bias": "encoder_norm/beta",
@@ -71,6 +73,8 @@ _BLOCK = {
     "MlpBlock_3/Dense_1/kernel": "mlp_dense_2/kernel",
     "MlpBlock_3/Dense_1/bias": "mlp_dense_2/bias",
     f"{BLOCK_ATTENTION}/out/bias": "attention/output_bias",
+    "LayerScale_0/scale": "attention_scale",
+    "LayerScale_1/scale": "mlp_scale",
 }
 _QKV = ("query", "key", "value")
 # The attention layers' fused projections (`<name>_kernel`, `<name>_bias`) -> the checkpoint's
@@ -209,10 +213,12 @@ def _write_attention(params, prefix, weight, value, num_heads):
             params[f"{prefix}/{name}/bias"] = part.reshape(num_heads, -1)
 
 
-# Parts of a model that build_vit options add or remove: (checkpoint key prefix, model weight path
-# prefix, the part, the option that builds it, the option that builds without it).
+_IN_BLOCK = r"Transformer/encoderblock_\d+/"
+# Parts of a model that build_vit options add or remove: (checkpoint keys, model weight paths (each a regular
+# expression matched at the start), the part, the option that builds it, the option that builds without it).
 _OPTIONAL_PARTS = (
-    (POSEMB, "patch_encoder/position_embedding", "learned position embeddings", "position_embedding='learned'",
+    (re.escape(POSEMB), "patch_encoder/position_embedding", "learned position embeddings",
+     "position_embedding='learned'",
      "position_embedding='sincos2d' (a checkpoint without them was trained with fixed 2-D sin-cos ones)"),
     ("MAPHead_0/", "pooling/", "a MAP head", "classifier='map'", "classifier='token' or 'gap'"),
     ("pre_norm/", "pre_norm/", "a LayerNorm before the blocks (timm's norm_pre)", "pre_norm=True", "pre_norm=False"),
@@ -220,26 +226,42 @@ _OPTIONAL_PARTS = (
      "pooled_norm=False", "pooled_norm=True"),
     ("pooled_norm/", "pooled_norm/", "a LayerNorm after the pooling (timm's fc_norm)", "pooled_norm=True",
      "pooled_norm=False"),
+    ("reg$", "patch_encoder/register_tokens", "register tokens", "num_registers=N (N: the file's count)",
+     "num_registers=0"),
+    (_IN_BLOCK + "LayerScale_", r"encoderblock_\d+/(attention|mlp)_scale", "layer scale (LayerScale)",
+     "layer_scale=1e-5 (the initial value; the file's scales are loaded)", "layer_scale=None"),
+    (_IN_BLOCK + BLOCK_ATTENTION + "/(query|key|value)/bias", r"encoderblock_\d+/attention/qkv_bias",
+     "query, key and value biases", "qkv_bias=True", "qkv_bias=False"),
 )
 
 
 def _check_options(params, target_shapes, key_name):
     """A CheckpointError naming the build_vit option where the checkpoint has a part the model lacks,
     or lacks one the model has."""
-    for prefix, path_prefix, part, with_it, without_it in _OPTIONAL_PARTS:
-        in_file = [key_name(k) for k in params if k.startswith(prefix)]
-        in_model = [p for p in target_shapes if p.startswith(path_prefix)]
+    for file_keys, model_paths, part, with_it, without_it in _OPTIONAL_PARTS:
+        in_file = [key_name(k) for k in params if re.match(file_keys, k)]
+        in_model = [p for p in target_shapes if re.match(model_paths, p)]
         if in_file and not in_model:
             raise CheckpointError(
-                f"The checkpoint has {part}: {list(dict.fromkeys(in_file))[:3]}, which the model lacks. Build it "
+                f"The checkpoint has {part}: {sorted(set(in_file))[:3]}, which the model lacks. Build it "
                 f"with {with_it}."
             )
         if in_model and not in_file:
-            wanted = next(_TOP_LEVEL_BY_PATH[p] for p in in_model if p in _TOP_LEVEL_BY_PATH)
             raise CheckpointError(
-                f"The checkpoint has no key {key_name(wanted)!r}: the model has {part}, the checkpoint has none. "
-                f"Build it with {without_it}."
+                f"The checkpoint has no key {_expected_key(in_model[0], key_name)!r}: the model has {part}, the "
+                f"checkpoint has none. Build it with {without_it}."
             )
+
+
+def _expected_key(path, key_name):
+    """The checkpoint key (as the file names it) of the model weight `path`, for messages."""
+    block = re.match(r"^encoderblock_(\d+)/(.+)$", path)
+    attention = re.match(r"^encoderblock_(\d+)/attention/qkv_bias$", path)
+    if attention:
+        return key_name(f"Transformer/encoderblock_{attention.group(1)}/{BLOCK_ATTENTION}/query/bias")
+    if block and block.group(2) in _BLOCK_BY_PATH:
+        return key_name(f"Transformer/encoderblock_{block.group(1)}/{_BLOCK_BY_PATH[block.group(2)]}")
+    return key_name(_TOP_LEVEL_BY_PATH.get(path, path))
 
 
 def _check_head_count(key, value, num_heads, key_name):

@@ -20,7 +20,9 @@ import numpy as np
 from keras_vit.checkpoints import model_io, timm, transformers
 from keras_vit.checkpoints.base import BLOCK_ATTENTION, POSEMB, CheckpointError, PretrainedError, square_side
 from keras_vit.checkpoints.formats import read_checkpoint
+from keras_vit.checkpoints.timm_architectures import FEATURES as TIMM_FEATURES
 from keras_vit.checkpoints.timm_architectures import TIMM_ARCHITECTURES
+from keras_vit.layers.core import GELUS
 from keras_vit.preprocessing import PILLOW_FILTERS, RESIZE_METHODS, Preprocessing
 from keras_vit.spec import ViTSpec
 from keras_vit.variants import HYBRIDS, MODEL_SIZES, to_pair
@@ -31,7 +33,19 @@ log = logging.getLogger("keras_vit")
 TRANSFORMERS_GELU = {
     "gelu": "exact", "gelu_python": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"
 }
-TIMM_GELU = {"gelu": "exact", "gelu_tanh": "tanh", "gelu_pytorch_tanh": "tanh"}
+TIMM_GELU = {"gelu": "exact", "gelu_tanh": "tanh", "gelu_pytorch_tanh": "tanh", "quick_gelu": "quick"}
+# The parts of a row of `TIMM_ARCHITECTURES` (its `FEATURES`) that this library builds: the spec's
+# `layer_scale`, `num_registers` and `qkv_bias`, each read from the arrays.
+TIMM_FEATURES_BUILT = frozenset({"layer_scale", "registers", "no_qkv_bias"})
+
+
+def timm_refusals(row):
+    """What this library does not build of a `TIMM_ARCHITECTURES` row, in words (empty: it opens)."""
+    _, activation, _, _, features = row
+    refused = [TIMM_FEATURES[f] for f in features if f not in TIMM_FEATURES_BUILT]
+    if activation not in GELUS and "swiglu" not in features:  # A gated MLP names its activation itself.
+        refused.append(f"the {activation} activation")
+    return refused
 
 
 # === The readers ===
@@ -122,7 +136,14 @@ def architecture(params):
         "pre_norm": "pre_norm/scale" in params,
         "pooled_norm": "pooled_norm/scale" in params,
         "position_embedding": "learned" if POSEMB in params else "sincos2d",
+        "qkv_bias": block + BLOCK_ATTENTION + "/query/bias" in params,
     }
+    if "reg" in params:
+        arguments["num_registers"] = int(params["reg"].shape[1])
+    if block + "LayerScale_0/scale" in params:
+        # The initial value matters for training from scratch only; the file's scales are loaded. timm's and
+        # DINOv2's usual value, unless the config says another (`_timm_options`).
+        arguments["layer_scale"] = 1e-5
     if "cls" in params:
         arguments["classifier"] = "token"
     elif any(key.startswith("MAPHead_0/") for key in params):
@@ -170,15 +191,18 @@ def _timm_options(config, path):
     pretrained = config.get("pretrained_cfg") or {}
     row = TIMM_ARCHITECTURES.get(architecture)
     if row is None:
-        num_heads, gelu, epsilon, dynamic, reason = None, "exact", 1e-6, False, None
+        num_heads, gelu, epsilon, dynamic, features = None, "exact", 1e-6, False, ()
         log.warning(
             "from_pretrained(%s): timm architecture %r is not in keras_vit's table of timm ViTs: read with the "
             "exact GELU and LayerNorm epsilon 1e-6 (timm's VisionTransformer defaults).", path, architecture
         )
     else:
-        num_heads, gelu, epsilon, dynamic, reason = row
-    if reason:
-        raise PretrainedError(f"{path!r}: timm's {architecture!r} has {reason}, which this library does not build.")
+        num_heads, gelu, epsilon, dynamic, features = row
+    refused = timm_refusals(row) if row is not None else []
+    if refused:
+        raise PretrainedError(
+            f"{path!r}: timm's {architecture!r} has {' and '.join(refused)}, which this library does not build."
+        )
     act = model_args.get("act_layer")
     if act is not None:
         if act not in TIMM_GELU:
@@ -187,6 +211,8 @@ def _timm_options(config, path):
     num_heads = model_args.get("num_heads", num_heads)
     dynamic = bool(model_args.get("dynamic_img_size", dynamic))
     options = {"gelu": gelu, "layer_norm_epsilon": epsilon}
+    if isinstance(model_args.get("init_values"), (int, float)) and model_args["init_values"] > 0:
+        options["layer_scale"] = float(model_args["init_values"])  # Where the arrays have LayerScale weights.
     if model_args.get("img_size") is not None:
         options["image_size"] = to_pair(_pair_or_int(model_args["img_size"]), "img_size")
     elif pretrained.get("input_size"):

@@ -12,8 +12,11 @@ names and layouts to and from the original checkpoints' (those
 - `patch_embed.proj.weight` (D, C, P, P), `.bias` -> `embedding/kernel`
   (P, P, C, D), `/bias`: transposed;
 - `cls_token` (1, 1, D) -> `cls`;
-- `pos_embed` (1, [1 +] N, D) -> `T/posembed_input/pos_embedding`: a zero
-  class-token row where timm's `no_embed_class` left it out;
+- `reg_token` (1, R, D) -> `reg` (register tokens, build_vit `num_registers`);
+- `pos_embed` (1, [1 +] [R +] N, D) -> `T/posembed_input/pos_embedding`
+  (1 + N rows): a zero class-token row where timm's `no_embed_class` left it
+  out; the registers' rows, where timm has them, added to the registers
+  (their positions never change, so the sum is the same function);
 - `norm_pre.*` -> `pre_norm/*` (build_vit `pre_norm=True`);
 - `blocks.{i}.norm1.*`, `norm2.*` -> `.../LayerNorm_0/*`, `LayerNorm_2/*`:
   weight -> scale;
@@ -24,6 +27,8 @@ names and layouts to and from the original checkpoints' (those
   `out/bias`: transposed;
 - `blocks.{i}.mlp.fc1.*`, `fc2.*` -> `.../MlpBlock_3/Dense_0/*`, `Dense_1/*`:
   Linear (out, in) -> kernel (in, out);
+- `blocks.{i}.ls1.gamma`, `ls2.gamma` (D,) -> `.../LayerScale_0/scale`,
+  `LayerScale_1/scale` (build_vit `layer_scale`);
 - `norm.*` -> `T/encoder_norm/*`;
 - `fc_norm.*` (GAP heads) -> `pooled_norm/*` (build_vit `pooled_norm=True`);
 - `attn_pool.{latent, q, kv, proj, norm, mlp.fc1, mlp.fc2}` ->
@@ -85,6 +90,7 @@ def _attention(timm, attention):
 # same original keys (fused or split query/key/value), `to_timm` writes the first.
 RULES = (
     ("cls_token", ("cls",), _SAME),
+    ("reg_token", ("reg",), _SAME),
     ("pos_embed", (POSEMB,), _SAME),
     ("patch_embed.proj.weight", ("embedding/kernel",), _CONV),
     ("patch_embed.proj.bias", ("embedding/bias",), _SAME),
@@ -95,6 +101,8 @@ RULES = (
     *_projections("blocks.{i}.attn.k", _BLOCK_ATTENTION, ("key",)),
     *_projections("blocks.{i}.attn.v", _BLOCK_ATTENTION, ("value",)),
     *_attention("blocks.{i}.attn", _BLOCK_ATTENTION),
+    ("blocks.{i}.ls1.gamma", (_BLOCK + "LayerScale_0/scale",), _SAME),
+    ("blocks.{i}.ls2.gamma", (_BLOCK + "LayerScale_1/scale",), _SAME),
     *_norm("blocks.{i}.norm2", _BLOCK + "LayerNorm_2"),
     *_linear("blocks.{i}.mlp.fc1", _BLOCK + "MlpBlock_3/Dense_0"),
     *_linear("blocks.{i}.mlp.fc2", _BLOCK + "MlpBlock_3/Dense_1"),
@@ -113,9 +121,6 @@ RULES = (
 
 # Parts of timm's ViT family this model does not have, by a piece of their keys.
 UNSUPPORTED = {
-    "reg_token": "register tokens (timm reg_tokens)",
-    ".ls1.": "layer scale (timm init_values)",
-    ".ls2.": "layer scale (timm init_values)",
     "q_norm": "query-key normalisation (timm qk_norm)",
     "k_norm": "query-key normalisation (timm qk_norm)",
     "patch_embed.norm": "a norm in the patch embedding",
@@ -223,16 +228,18 @@ def from_timm(state_dict, num_heads, grid_size=None):
         raise CheckpointError(
             f"The timm state dict has {len(unknown)} key(s) this model has no place for, e.g. {sorted(unknown)[:5]}"
             + (f": {', '.join(features)}" if features else "")
-            + ". Supported: timm's VisionTransformer with or without a class token, learned position "
-            "embeddings, norm_pre, fc_norm, a MAP head (attn_pool) and a linear head."
+            + ". Supported: timm's VisionTransformer with or without a class token, register tokens, learned "
+            "position embeddings, norm_pre, layer scale, fc_norm, a MAP head (attn_pool) and a linear head."
         )
     if "embedding/bias" not in params and "pre_norm/scale" in params and "embedding/kernel" in params:
         # timm builds the patch embedding without a bias where it has norm_pre (CLIP's layout).
         params["embedding/bias"] = np.zeros(params["embedding/kernel"].shape[-1], params["embedding/kernel"].dtype)
         notes.append("The timm file's patch embedding has no bias (norm_pre models): a zero bias set.")
+    patches = None if grid_size is None else grid_size[0] * grid_size[1]
+    if "reg" in params and POSEMB in params:
+        _fold_register_positions(params, patches)
     if "cls" in params and POSEMB in params:
         rows = params[POSEMB].shape[1]
-        patches = None if grid_size is None else grid_size[0] * grid_size[1]
         if patches is not None and rows in (patches, patches + 1):
             with_row = rows == patches + 1
         else:  # Without the model's grid: a square number of rows is the patches alone.
@@ -243,13 +250,38 @@ def from_timm(state_dict, num_heads, grid_size=None):
     return params, notes
 
 
+def _fold_register_positions(params, patches):
+    """Where timm's `pos_embed` has rows for the register tokens (`no_embed_class=False`: class token,
+    registers, patches), adds those rows to the registers and drops them: a register's position is fixed, so
+    register + its row is the token the blocks see either way.  `patches`: the model's patch count, or None;
+    where neither layout has that many patch rows (the file's grid is another), a square number of rows left
+    after the prefix tells."""
+    cls, registers = int("cls" in params), params["reg"].shape[1]
+    rows = params[POSEMB].shape[1]
+    rest = rows - cls - registers
+    if patches is not None and patches in (rest, rows):
+        fold = rest == patches
+    else:  # The model's grid is not the file's: a square grid after the prefix tells.
+        fold = rest > 0 and square_side(rest) is not None and square_side(rows) is None and (
+            not cls or square_side(rows - 1) is None)  # fmt: skip
+    if fold:
+        posemb = params[POSEMB]
+        params["reg"] = params["reg"] + posemb[:, cls : cls + registers]
+        params[POSEMB] = np.concatenate([posemb[:, :cls], posemb[:, cls + registers :]], axis=1)
+
+
 def to_timm(params):
     """The inverse of `from_timm`: original names and layouts -> a timm ViT state dict.
 
     The query, key and value are written fused (`attn.qkv`), the position
-    embeddings with the class-token row where there is a class token, as
-    timm's VisionTransformer keeps them.
+    embeddings with the class-token row where there is a class token and a
+    zero row for each register token, as timm's VisionTransformer keeps them
+    (`no_embed_class=False`).
     """
+    if "reg" in params and POSEMB in params:
+        cls, posemb = int("cls" in params), params[POSEMB]
+        zeros = np.zeros((1, params["reg"].shape[1], posemb.shape[-1]), posemb.dtype)
+        params = {**params, POSEMB: np.concatenate([posemb[:, :cls], zeros, posemb[:, cls:]], axis=1)}
     state_dict, written = {}, set()
     for timm, originals, layout in RULES:
         pattern = _pattern(originals[0])
