@@ -73,7 +73,7 @@ def count_flops(
     if config.resnet_layers is not None:
         flops, (height, width, channels) = _stem_flops(config.resnet_layers, height, width, channels)
     patches = (height // ph) * (width // pw)
-    tokens = patches + (classifier == "token")
+    tokens = patches + (classifier in ("token", "token_gap"))
     flops += 2 * patches * ph * pw * channels * dim  # patch embedding
     per_layer = (
         2 * tokens * dim * 3 * dim  # query, key, value

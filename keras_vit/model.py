@@ -10,7 +10,7 @@ Layer names are stable; the checkpoint converters map onto them:
 |---|---|---|
 | `rescaling` (if `include_rescaling`) | none | pixels / 127.5 - 1, or (pixels / 255 - mean) / std |
 | `resnet` (hybrids only) | see `keras_vit.resnet` | `conv_root`, `gn_root`, `block{s}/unit{u}/*` |
-| `patch_encoder` | `kernel`, `bias`, `class_token`, `position_embedding`, `register_tokens` | see below |
+| `patch_encoder` | `kernel`, `bias`, `class_token`, `position_embedding`, and see below | see below |
 | `embedding_dropout` | none | dropout after the position embeddings |
 | `pre_norm` (if `pre_norm`) | `gamma`, `beta` | `pre_norm/{scale,bias}` (timm's `norm_pre`) |
 | `encoderblock_{i}` (i = 0 .. L-1) | see `TransformerBlock` | `Transformer/encoderblock_{i}/*` |
@@ -19,9 +19,15 @@ Layer names are stable; the checkpoint converters map onto them:
 | `pooled_norm` (if `pooled_norm`) | `gamma`, `beta` | `pooled_norm/{scale,bias}` (timm's `fc_norm`) |
 | `pre_logits` (if `representation_size`) | `kernel`, `bias` | `pre_logits/*` |
 | `head` (if `num_classes`) | `kernel`, `bias` | `head/*` |
+| `head_distillation` (`distillation="head"`) | `kernel`, `bias` | `head_dist/*` |
+
+With `distillation="head"`, `distillation_pooling` reads the distillation token for `head_distillation` and
+`distilled_logits` averages the two heads. The patch encoder also has `distillation_token`, `register_tokens` and
+a `norm` (`patch_norm`) where they are built.
 
 `posembed` stands for `Transformer/posembed_input/pos_embedding`; the patch encoder's weights are `embedding/*`,
-`cls`, posembed and `reg` (the register tokens, a name no original checkpoint has).
+`cls`, posembed, `dist` (DeiT's distillation token) and `reg` (the register tokens): the last two are names no
+original checkpoint has.
 
 Inside `encoderblock_{i}`: `attention_norm` (LayerNorm_0), `attention`
 (MultiHeadDotProductAttention_1; `qkv_kernel` (D, 3, D) is the query, key and
@@ -39,6 +45,7 @@ import keras
 
 from keras_vit import layers as vit_layers
 from keras_vit.layers.common import register
+from keras_vit.layers.core import make_norm
 from keras_vit.layers.quantization import Int8Kernels
 from keras_vit.resnet import ResNetStem
 from keras_vit.spec import CLASSIFIERS, POSITION_EMBEDDINGS, ViTSpec, pixel_statistics
@@ -76,6 +83,11 @@ def build_vit(
     layer_scale=None,
     num_registers=0,
     qkv_bias=True,
+    distillation=None,
+    norm="layer",
+    patch_norm=False,
+    mlp="plain",
+    class_token=None,
     preprocessing=None,
     class_names=None,
     name=None,
@@ -96,8 +108,10 @@ def build_vit(
         num_classes: width of the classification head; None or 0 returns the
             pooled (pre-logits) features instead: a backbone.
         classifier: "token" (the class token), "gap" (mean of the patch
-            tokens) or "map" (big_vision's multi-head attention pooling,
-            `MAPHead`); with "gap" and "map" the model has no class token.
+            tokens), "map" (big_vision's multi-head attention pooling,
+            `MAPHead`) or "token_gap" (the class token and the patches' mean,
+            concatenated: DINOv2's linear classifier); with "gap" and "map"
+            the model has no class token.
         representation_size: if set, a Dense + tanh "pre-logits" layer of this
             width before the head (used when pre-training on ImageNet-21k).
         dropout_rate: dropout after the embeddings, the attention and in the MLPs.
@@ -138,6 +152,20 @@ def build_vit(
             2023; DINOv2 with registers): attended to, not pooled.
         qkv_bias: the attention's query, key and value have biases (False:
             timm's `qkv_bias=False`).
+        distillation: DeiT's distillation token (Touvron et al. 2021), after
+            the class token with a position of its own: None (none), "token"
+            (the head reads the class token) or "head" (a second head,
+            `head_distillation`, reads it; the logits are the two heads'
+            mean, as DeiT's distilled models infer).
+        norm: every norm's kind: "layer" (LayerNorm) or "rms" (RMSNorm, Zhang
+            and Sennrich 2019: AIMv2's), with `layer_norm_epsilon`.
+        patch_norm: a norm (of kind `norm`) on the patch embeddings before
+            the tokens and positions are added (timm's `patch_embed.norm`).
+        mlp: the blocks' MLP: "plain" (Dense -> GELU -> Dense) or "swiglu"
+            (SiLU-gated: DINOv2 giant, AIMv2).
+        class_token: None (as `classifier` says), or True with classifier
+            "gap": a class token the mean leaves out (timm's BEiT-3 and EVA
+            layouts with `global_pool="avg"`).
         preprocessing: a `keras_vit.Preprocessing` for photos of any size
             (evaluation and `serving_bytes`), kept by the model; its crop is
             `image_size`, its mean and std the model's.  None: the shorter
@@ -181,6 +209,11 @@ def build_vit(
         layer_scale=layer_scale,
         num_registers=num_registers,
         qkv_bias=qkv_bias,
+        distillation=distillation,
+        norm=norm,
+        patch_norm=patch_norm,
+        mlp=mlp,
+        class_token=class_token,
         preprocessing=preprocessing,
         class_names=class_names,
         **overrides,
@@ -361,16 +394,19 @@ def _graph(spec, dtype=None, shared=None):
         vit_layers.PatchEncoder,
         spec.hidden_dim,
         spec.patch_size,
-        use_class_token=spec.classifier == "token",
+        use_class_token=spec.has_class_token,
         projection=spec.patch_projection,
         position_embedding=spec.position_embedding,
         base_image_size=tuple(side // stride for side in spec.image_size) if spec.dynamic_image_size else None,
-        **({"num_registers": spec.num_registers} if spec.num_registers else {}),
+        num_registers=spec.num_registers,
+        distillation_token=spec.distillation is not None,
+        patch_norm=spec.norm if spec.patch_norm else None,
+        norm_epsilon=epsilon,
         **policy,
     )(x)
     x = layer("embedding_dropout", vit_layers.Dropout, spec.dropout_rate, **policy)(x)
     if spec.pre_norm:
-        x = layer("pre_norm", vit_layers.LayerNormalization, epsilon=epsilon, **policy)(x)
+        x = layer("pre_norm", make_norm, spec.norm, epsilon, **policy)(x)
     for i in range(spec.num_layers):
         depth_fraction = i / (spec.num_layers - 1) if spec.num_layers > 1 else 1.0
         x = layer(
@@ -385,25 +421,34 @@ def _graph(spec, dtype=None, shared=None):
             layer_norm_epsilon=epsilon,
             **({"layer_scale": spec.layer_scale} if spec.layer_scale is not None else {}),
             **({} if spec.qkv_bias else {"qkv_bias": False}),
+            norm=spec.norm,
+            mlp=spec.mlp,
             **policy,
         )(x)
     if not spec.pooled_norm:
-        x = layer("encoder_norm", vit_layers.LayerNormalization, epsilon=epsilon, **policy)(x)
+        x = layer("encoder_norm", make_norm, spec.norm, epsilon, **policy)(x)
+    tokens = x
     if spec.classifier == "map":
         x = layer("pooling", vit_layers.MAPHead, spec.num_heads, spec.mlp_dim, gelu=spec.gelu,
                   layer_norm_epsilon=epsilon, **policy)(x)  # fmt: skip
     else:
-        # Mean pooling reads the patches' tokens, not the registers (first: the model has no class token).
-        skip = {"skip": spec.num_registers} if spec.classifier == "gap" and spec.num_registers else {}
-        x = layer("pooling", vit_layers.TokenPooling, spec.classifier, **skip, **policy)(x)
+        # Mean pooling reads the patches' tokens, not the class token nor the registers before them.
+        skip = int(spec.has_class_token) + spec.num_registers if spec.classifier in ("gap", "token_gap") else 0
+        x = layer("pooling", vit_layers.TokenPooling, spec.classifier, **({"skip": skip} if skip else {}),
+                  **policy)(x)  # fmt: skip
     if spec.pooled_norm:
-        x = layer("pooled_norm", vit_layers.LayerNormalization, epsilon=epsilon, **policy)(x)
+        x = layer("pooled_norm", make_norm, spec.norm, epsilon, **policy)(x)
     if spec.representation_size:
         x = layer("pre_logits", keras.layers.Dense, spec.representation_size, activation="tanh", **policy)(x)
     if spec.num_classes:
         # float32 logits under any policy: softmax and the loss need the range.
         initializer = keras.initializers.get(spec.head_kernel_initializer)  # A name or a config.
         x = layer("head", keras.layers.Dense, spec.num_classes, kernel_initializer=initializer, dtype="float32")(x)
+        if spec.distillation == "head":
+            distilled = layer("distillation_pooling", vit_layers.TokenPooling, "token", skip=1, **policy)(tokens)
+            distilled = layer("head_distillation", keras.layers.Dense, spec.num_classes,
+                              kernel_initializer=initializer, dtype="float32")(distilled)  # fmt: skip
+            x = layer("distilled_logits", keras.layers.Average, dtype="float32")([x, distilled])
     return images, x
 
 

@@ -18,16 +18,20 @@ import keras
 import numpy as np
 
 from keras_vit.layers.common import check_positive_int, check_rate
-from keras_vit.layers.core import gelu_activation
+from keras_vit.layers.core import check_norm, gelu_activation
 from keras_vit.layers.embedding import PatchEncoder
-from keras_vit.layers.encoder import check_layer_scale
+from keras_vit.layers.encoder import MLPS, check_layer_scale
 from keras_vit.preprocessing import Preprocessing
 from keras_vit.resnet import ResNetStem
 from keras_vit.variants import ViTConfig, parse_variant, to_pair
 
-CLASSIFIERS = ("token", "gap", "map")
+CLASSIFIERS = ("token", "gap", "map", "token_gap")
 POSITION_EMBEDDINGS = PatchEncoder.POSITION_EMBEDDINGS
 PATCH_PROJECTIONS = ("conv", "matmul")
+# DeiT's distillation token: None (none), "token" (the token; the head reads the class token, as transformers'
+# DeiTForImageClassification) or "head" (the token with a head of its own, the two heads' logits averaged: timm's
+# distilled DeiTs and DeiTForImageClassificationWithTeacher at inference).
+DISTILLATIONS = (None, "token", "head")
 
 
 def _optional_positive(name, value):
@@ -78,7 +82,8 @@ class ViTSpec:
         representation_size, dropout_rate, attention_dropout_rate,
         stochastic_depth_rate, include_rescaling, head_kernel_initializer,
         patch_projection, gelu, position_embedding, pre_norm, pooled_norm,
-        layer_norm_epsilon, layer_scale, num_registers, qkv_bias.
+        layer_norm_epsilon, layer_scale, num_registers, qkv_bias,
+        distillation, norm, patch_norm, mlp, class_token.
 
     Input:
         pixel_mean, pixel_std: per-channel statistics of pixels in [0, 1]
@@ -121,6 +126,11 @@ class ViTSpec:
     layer_scale: float = None
     num_registers: int = 0
     qkv_bias: bool = True
+    distillation: str = None
+    norm: str = "layer"
+    patch_norm: bool = False
+    mlp: str = "plain"
+    class_token: bool = None
     preprocessing: Preprocessing = None
     class_names: tuple = None
 
@@ -143,13 +153,17 @@ class ViTSpec:
             )
         if isinstance(self.include_rescaling, (int, np.integer, np.bool_)) and self.include_rescaling in (0, 1):
             store("include_rescaling", bool(self.include_rescaling))  # As build_vit took it: 1, np.True_.
-        for name in ("dynamic_image_size", "include_rescaling", "pre_norm", "pooled_norm", "qkv_bias"):
+        for name in ("dynamic_image_size", "include_rescaling", "pre_norm", "pooled_norm", "qkv_bias", "patch_norm"):
             _check_bool(name, getattr(self, name))
+        check_norm(self.norm)
+        if self.mlp not in MLPS:
+            raise ValueError(f"`mlp` must be one of {MLPS}. Received: mlp={self.mlp!r}")
         store("layer_scale", check_layer_scale(self.layer_scale))
         if isinstance(self.num_registers, bool) or not isinstance(self.num_registers, (int, np.integer)) or (
                 self.num_registers < 0):
             raise ValueError(f"`num_registers` must be an integer >= 0. Received: num_registers={self.num_registers!r}")
         store("num_registers", int(self.num_registers))
+        self._check_distillation()
         if not isinstance(self.head_kernel_initializer, (str, dict)):
             # Kept as its config, so that specs compare and save by value.
             initializer = keras.initializers.get(self.head_kernel_initializer)
@@ -159,6 +173,16 @@ class ViTSpec:
         store("representation_size", _optional_positive("representation_size", self.representation_size))
         if self.classifier not in CLASSIFIERS:
             raise ValueError(f"`classifier` must be one of {CLASSIFIERS}. Received: classifier={self.classifier!r}")
+        read = self.classifier in ("token", "token_gap")  # The classifiers that read a class token.
+        if self.class_token is not None:
+            _check_bool("class_token", self.class_token)
+            if self.class_token != read and not (self.class_token and self.classifier == "gap"):
+                raise ValueError(
+                    f"class_token={self.class_token} with classifier={self.classifier!r}: a class token is read by "
+                    "'token' and 'token_gap', and may stand unread beside 'gap' (its mean leaves it out)."
+                )
+            if self.class_token == read:
+                store("class_token", None)  # As the classifier says: one spec, one form.
         if self.position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(
                 f"`position_embedding` must be one of {POSITION_EMBEDDINGS}. Received: "
@@ -180,6 +204,26 @@ class ViTSpec:
             store(name, check_rate(name, getattr(self, name)))
         self._check_input()
         self._check_classes()
+
+    def _check_distillation(self):
+        if self.distillation not in DISTILLATIONS:
+            raise ValueError(
+                f"`distillation` must be one of {DISTILLATIONS}. Received: distillation={self.distillation!r}"
+            )
+        if self.distillation is None:
+            return
+        refused = {
+            "classifier='token'": self.classifier == "token",
+            "representation_size=None": self.representation_size is None,
+            "pooled_norm=False": not self.pooled_norm,
+        }
+        if self.distillation == "head":
+            refused["num_classes (the heads)"] = self.num_classes is not None
+        missing = [option for option, ok in refused.items() if not ok]
+        if missing:
+            raise ValueError(
+                f"distillation={self.distillation!r} (DeiT's distillation token) needs {', '.join(missing)}."
+            )
 
     def _check_input(self):
         if not self.include_rescaling and (self.pixel_mean is not None or self.pixel_std is not None):
@@ -249,6 +293,11 @@ class ViTSpec:
     def stride(self):
         """How many pixels one step of the patch grid's input is: the ResNet stem's stride (1 without one)."""
         return 1 if self.resnet_layers is None else ResNetStem.stride(self.resnet_layers)
+
+    @property
+    def has_class_token(self):
+        """Whether the token sequence starts with a class token (read by the classifier or not)."""
+        return self.classifier in ("token", "token_gap") or bool(self.class_token)
 
     def replace(self, **changes):
         """A copy with `changes` (checked as a new spec is)."""

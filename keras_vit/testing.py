@@ -36,7 +36,7 @@ def randomize_weights(model, seed=0, scale=0.2, unit_scales=True):
     Zero biases, unit LayerNorm scales, a zero head or class token would hide
     a missing or misplaced term from a parity test, and TensorFlow's graph
     optimiser folds a zero bias away, which a benchmark must not let it do.
-    With `unit_scales` the LayerNorm scales (weights named `gamma`) are
+    With `unit_scales` the norms' scales (weights named `gamma` or `scale`) are
     drawn around 1 instead of 0, so each block's normalised input keeps its
     size. The weights are drawn in `model.weights` order from NumPy's
     generator seeded with `seed`: the same seed gives the same weights.
@@ -44,7 +44,7 @@ def randomize_weights(model, seed=0, scale=0.2, unit_scales=True):
     rng = np.random.default_rng(seed)
     for weight in model.weights:
         value = rng.normal(0.0, scale, weight.shape)
-        if unit_scales and weight.name == "gamma":
+        if unit_scales and weight.name in ("gamma", "scale"):  # The scales of LayerNorms and RMSNorms.
             value += 1.0
         weight.assign(value.astype(weight.dtype))
     return model

@@ -14,6 +14,9 @@ from scipy.special import erf
 
 
 def layer_norm(x, scale, bias, eps=1e-6):
+    """LayerNorm; with `bias` None, RMSNorm (Zhang and Sennrich 2019): x / sqrt(mean(x^2) + eps) * scale."""
+    if bias is None:
+        return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * scale
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
     return (x - mean) / np.sqrt(var + eps) * scale + bias
@@ -37,10 +40,20 @@ def softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
+def _norm_params(p, key, norm):
+    """A LayerNorm's scale and bias, or an RMSNorm's scale alone, into `p` under `key`/scale and /bias."""
+    if hasattr(norm, "gamma"):
+        p[key + "/scale"], p[key + "/bias"] = norm.gamma.numpy(), norm.beta.numpy()
+    else:
+        p[key + "/scale"] = norm.scale.numpy()
+
+
 def params_from_model(model):
     """The model's weights as float64 arrays in the original checkpoint naming."""
     p = {}
     enc = model.get_layer("patch_encoder")
+    if getattr(enc, "norm", None) is not None:
+        _norm_params(p, "embedding_norm", enc.norm)
     p["embedding/kernel"] = enc.kernel.numpy()
     p["embedding/bias"] = enc.bias.numpy()
     if enc.use_class_token:
@@ -48,6 +61,8 @@ def params_from_model(model):
     p["pos_embedding"] = enc.position_embedding.numpy()
     if getattr(enc, "num_registers", 0):
         p["registers"] = enc.register_tokens.numpy()
+    if getattr(enc, "distillation_token", False):
+        p["dist"] = enc.distillation_token_weight.numpy()
     i = 0
     while True:
         try:
@@ -69,17 +84,16 @@ def params_from_model(model):
         p[pre + "out/kernel"] = att.output_kernel.numpy().reshape(heads, dim // heads, dim)
         p[pre + "out/bias"] = att.output_bias.numpy()
         for ours, theirs in (("attention_norm", "LayerNorm_0"), ("mlp_norm", "LayerNorm_2")):
-            norm = getattr(block, ours)
-            p[pre + theirs + "/scale"] = norm.gamma.numpy()
-            p[pre + theirs + "/bias"] = norm.beta.numpy()
-        for ours, theirs in (("mlp_dense_1", "Dense_0"), ("mlp_dense_2", "Dense_1")):
-            dense = getattr(block, ours)
+            _norm_params(p, pre + theirs, getattr(block, ours))
+        for ours, theirs in (("mlp_dense_1", "Dense_0"), ("mlp_dense_2", "Dense_1"), ("mlp_gate", "Gate_0")):
+            dense = getattr(block, ours, None)
+            if dense is None:
+                continue
             p[pre + theirs + "/kernel"] = dense.kernel.numpy()
             p[pre + theirs + "/bias"] = dense.bias.numpy()
         i += 1
-    norm = model.get_layer("encoder_norm")
-    p["encoder_norm/scale"], p["encoder_norm/bias"] = norm.gamma.numpy(), norm.beta.numpy()
-    for name in ("pre_logits", "head"):
+    _norm_params(p, "encoder_norm", model.get_layer("encoder_norm"))
+    for name in ("pre_logits", "head", "head_distillation"):
         try:
             layer = model.get_layer(name)
         except ValueError:
@@ -98,9 +112,14 @@ def vit_forward(params, num_layers, images, classifier="token", rescale=True, at
     `eps`: the LayerNorms' epsilon; `activation`: the MLPs' (`gelu`, the
     default, `gelu_tanh` or `gelu_quick`).
 
-    Options, by the params present: `registers` (1, R, D), tokens placed
+    Options, by the params present: norms without a bias are RMSNorms;
+    `embedding_norm/*`, a norm of the patch embeddings; a block's `Gate_0/*`,
+    a SiLU-gated MLP; `registers` (1, R, D), tokens placed
     after the class token once the positions are added (Darcet et al. 2023),
-    left out of "gap"'s mean; a block's `attention_scale` and `mlp_scale`
+    left out of "gap"'s mean; `dist` (1, 1, D), DeiT's distillation token
+    after the class token, with its own position row (Touvron et al. 2021,
+    section 5), and `head_distillation/*`, its head, whose logits are
+    averaged with the class token's; a block's `attention_scale` and `mlp_scale`
     (D,), LayerScale's per-channel factors on its two residual branches
     (CaiT, Touvron et al. 2021, eq. 3); a block without `query/bias` (and
     key, value) projects without biases.
@@ -121,17 +140,21 @@ def vit_forward(params, num_layers, images, classifier="token", rescale=True, at
             patch = x[:, r * ph : (r + 1) * ph, c * pw : (c + 1) * pw, :].reshape(batch, -1)
             tokens.append(patch @ kernel + params["embedding/bias"])
     z = np.stack(tokens, axis=1)
-    if classifier == "token":
-        z = np.concatenate([np.repeat(params["cls"], batch, axis=0), z], axis=1)
+    if "embedding_norm/scale" in params:  # A norm of the patch embeddings (timm's patch_embed.norm).
+        z = layer_norm(z, params["embedding_norm/scale"], params.get("embedding_norm/bias"), eps)
+    prefix_tokens = [params["cls"]] if "cls" in params else []  # With "gap": a class token the mean leaves out.
+    prefix_tokens += [params["dist"]] if "dist" in params else []
+    if prefix_tokens:
+        z = np.concatenate([np.repeat(t, batch, axis=0) for t in prefix_tokens] + [z], axis=1)
     z = z + params["pos_embedding"]
     registers = params.get("registers")
-    prefix = int(classifier == "token")
+    prefix = len(prefix_tokens)
     if registers is not None:
         z = np.concatenate([z[:, :prefix], np.repeat(registers, batch, axis=0), z[:, prefix:]], axis=1)
     for i in range(num_layers):
         pre = f"encoderblock_{i}/"
         # Eq. 2: z' = MSA(LN(z)) + z.
-        y = layer_norm(z, params[pre + "LayerNorm_0/scale"], params[pre + "LayerNorm_0/bias"], eps)
+        y = layer_norm(z, params[pre + "LayerNorm_0/scale"], params.get(pre + "LayerNorm_0/bias"), eps)
         heads = params[pre + "query/kernel"].shape[1]
         out = np.zeros_like(z)
         layer_attention = []
@@ -148,15 +171,22 @@ def vit_forward(params, num_layers, images, classifier="token", rescale=True, at
             attention.append(np.stack(layer_attention, axis=1))
         z = z + (out + params[pre + "out/bias"]) * params.get(pre + "attention_scale", 1.0)
         # Eq. 3: z = MLP(LN(z')) + z'.
-        y = layer_norm(z, params[pre + "LayerNorm_2/scale"], params[pre + "LayerNorm_2/bias"], eps)
-        y = activation(y @ params[pre + "Dense_0/kernel"] + params[pre + "Dense_0/bias"])
+        y = layer_norm(z, params[pre + "LayerNorm_2/scale"], params.get(pre + "LayerNorm_2/bias"), eps)
+        if pre + "Gate_0/kernel" in params:  # SwiGLU (Shazeer 2020, eq. 6): SiLU(y W_gate) * (y W).
+            gate = y @ params[pre + "Gate_0/kernel"] + params[pre + "Gate_0/bias"]
+            y = gate / (1.0 + np.exp(-gate)) * (y @ params[pre + "Dense_0/kernel"] + params[pre + "Dense_0/bias"])
+        else:
+            y = activation(y @ params[pre + "Dense_0/kernel"] + params[pre + "Dense_0/bias"])
         z = z + (y @ params[pre + "Dense_1/kernel"] + params[pre + "Dense_1/bias"]) * params.get(pre + "mlp_scale", 1.0)
     # Eq. 4: y = LN(z_L^0) (or the mean of the tokens for "gap").
-    z = layer_norm(z, params["encoder_norm/scale"], params["encoder_norm/bias"], eps)
-    skip = 0 if registers is None else registers.shape[1]
+    z = layer_norm(z, params["encoder_norm/scale"], params.get("encoder_norm/bias"), eps)
+    skip = prefix + (0 if registers is None else registers.shape[1])
     pooled = z[:, 0] if classifier == "token" else z[:, skip:].mean(axis=1)
     if "pre_logits/kernel" in params:
         pooled = np.tanh(pooled @ params["pre_logits/kernel"] + params["pre_logits/bias"])
+    if "head_distillation/kernel" in params:
+        distilled = z[:, 1] @ params["head_distillation/kernel"] + params["head_distillation/bias"]
+        return (pooled @ params["head/kernel"] + params["head/bias"] + distilled) / 2
     if "head/kernel" in params:
         return pooled @ params["head/kernel"] + params["head/bias"]
     return pooled

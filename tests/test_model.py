@@ -66,6 +66,12 @@ FAMILY_OPTIONS = {
     "no_qkv_bias": dict(qkv_bias=False),
     "quick_gelu": dict(gelu="quick"),
     "dinov2_registers": dict(layer_scale=1e-5, num_registers=4),
+    "distilled": dict(distillation="head"),
+    "distillation_token": dict(distillation="token"),
+    "rms_norm": dict(norm="rms"),
+    "swiglu": dict(mlp="swiglu"),
+    "aimv2": dict(norm="rms", patch_norm=True, mlp="swiglu", qkv_bias=False, classifier="gap"),
+    "unpooled_class_token": dict(classifier="gap", class_token=True),
 }
 
 
@@ -84,7 +90,16 @@ def test_family_options_match_the_numpy_reference_and_survive_saving(name, tmp_p
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
     assert np.ptp(expected, axis=0).max() > 0.1
     # Without the option (the options' own weights dropped, the rest kept): other logits.
-    plain = {k: v for k, v in params.items() if not k.endswith(("_scale", "registers"))}
+    plain = {k: v for k, v in params.items() if not k.endswith(("_scale", "registers", "dist", "cls"))
+             and not k.startswith(("head_distillation", "embedding_norm")) and "Gate_0" not in k}  # fmt: skip
+    for key in [k for k in plain if k.endswith("/scale") and k[: -len("scale")] + "bias" not in plain]:
+        plain[key[: -len("scale")] + "bias"] = np.zeros_like(plain[key])  # RMSNorm -> LayerNorm
+    if "dist" in params:  # Without the token: its position row goes too.
+        plain["pos_embedding"] = np.delete(params["pos_embedding"], 1, axis=1)
+    if classifier == "token":
+        plain["cls"] = params["cls"]
+    elif "cls" in params:  # The unread class token: without it (and its position row), other logits.
+        plain["pos_embedding"] = plain["pos_embedding"][:, 1:]
     if kwargs.get("qkv_bias") is False:
         plain = {**plain, **{k.replace("/kernel", "/bias"): np.full(v.shape[1:], 0.3) for k, v in plain.items()
                              if k.endswith(("query/kernel", "key/kernel", "value/kernel"))}}  # fmt: skip
@@ -106,6 +121,15 @@ def test_family_options_have_their_parameter_counts_and_the_defaults_build_as_be
     assert small_vit(num_registers=4).count_params() == base.count_params() + 4 * dim
     assert small_vit(qkv_bias=False).count_params() == base.count_params() - 3 * dim * layers
     assert small_vit(gelu="quick").count_params() == base.count_params()
+    # RMSNorm: no bias in its 2 L + 1 norms; SwiGLU: a gate as large as the first MLP layer; a patch norm: 2 D.
+    assert small_vit(norm="rms").count_params() == base.count_params() - dim * (2 * layers + 1)
+    assert small_vit(mlp="swiglu").count_params() == base.count_params() + layers * (dim + 1) * SMALL["mlp_dim"]
+    assert small_vit(patch_norm=True).count_params() == base.count_params() + 2 * dim
+    # The token and its position row; with "head", a second head of the same size as the first.
+    assert small_vit(distillation="token").count_params() == base.count_params() + 2 * dim
+    assert small_vit(distillation="head").count_params() == base.count_params() + 2 * dim + 5 * dim + 5
+    with pytest.raises(ValueError, match="needs classifier='token'"):
+        small_vit(distillation="head", classifier="gap")
     names = {w.path for w in base.weights}
     assert not any(("scale" in n and "norm" not in n) or "register" in n for n in names), names
     block = base.get_layer("encoderblock_0").get_config()

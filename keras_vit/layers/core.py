@@ -84,6 +84,25 @@ class LayerNormalization(keras.layers.LayerNormalization):
         return kernels.layer_norm(inputs, self.gamma, self.beta, self.epsilon, training=training)
 
 
+# The norms: "layer" (LayerNorm, the paper's) or "rms" (RMSNorm, Zhang and Sennrich 2019: x / sqrt(mean(x^2) + eps)
+# times a learned scale, no centring and no bias; timm's AIMv2 and some of its newer ViTs).
+NORMS = ("layer", "rms")
+
+
+def check_norm(norm):
+    if norm not in NORMS:
+        raise ValueError(f"`norm` must be one of {NORMS}. Received: norm={norm!r}")
+    return norm
+
+
+def make_norm(norm, epsilon, **kwargs):
+    """A norm layer of kind `norm` ("layer": `LayerNormalization`, weights `gamma`, `beta`; "rms": Keras'
+    `RMSNormalization`, weight `scale`) over the last axis with `epsilon`."""
+    if check_norm(norm) == "rms":
+        return keras.layers.RMSNormalization(epsilon=epsilon, **kwargs)
+    return LayerNormalization(epsilon=epsilon, **kwargs)
+
+
 @register
 class Dropout(keras.layers.Dropout):
     """`keras.layers.Dropout` computed by `kernels.dropout`; frozen (`trainable=False`), it drops nothing.

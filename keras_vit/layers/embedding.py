@@ -10,6 +10,7 @@ from keras import ops
 
 from keras_vit import kernels
 from keras_vit.layers.common import check_positive_int, register
+from keras_vit.layers.core import check_norm, make_norm
 from keras_vit.variants import to_pair
 
 
@@ -168,6 +169,13 @@ class PatchEncoder(keras.layers.Layer):
         kernel_initializer: initializer of the projection kernel.
         position_embedding: "learned" or "sincos2d" (fixed; hidden_dim a
             multiple of 4, at least 8).
+        distillation_token: a second learned token after the class token,
+            with its own position embedding (DeiT's, Touvron et al. 2021,
+            "Training data-efficient image transformers & distillation
+            through attention", section 5), read by a head of its own.
+        patch_norm: None, or a norm of the patches' embeddings before the
+            tokens and positions are added ("layer" or "rms": timm's
+            `patch_embed.norm`, AIMv2's RMSNorm), with `norm_epsilon`.
         num_registers: register tokens (Darcet et al. 2023, "Vision
             Transformers Need Registers"): learned tokens inserted after the
             class token, with no position embedding, that the blocks attend
@@ -182,8 +190,9 @@ class PatchEncoder(keras.layers.Layer):
 
     Weights: `kernel` (patch_h, patch_w, channels, hidden_dim), `bias`
     (hidden_dim,), `class_token` (1, 1, hidden_dim), `position_embedding`
-    (1, tokens, hidden_dim) if learned (a row for the class token and one for
-    each patch), `register_tokens` (1, num_registers, hidden_dim) with
+    (1, tokens, hidden_dim) if learned (a row for the class token, one for the
+    distillation token, and one for each patch), `distillation_token`
+    (1, 1, hidden_dim), `register_tokens` (1, num_registers, hidden_dim) with
     registers. With "sincos2d" the attribute
     `position_embedding` is the fixed (1, tokens, hidden_dim) NumPy array
     (a zero row for the class token) instead.
@@ -206,9 +215,17 @@ class PatchEncoder(keras.layers.Layer):
         position_embedding="learned",
         base_image_size=None,
         num_registers=0,
+        distillation_token=False,
+        patch_norm=None,
+        norm_epsilon=1e-6,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.patch_norm = None if patch_norm is None else check_norm(patch_norm)
+        self.norm_epsilon = float(norm_epsilon)
+        if not isinstance(distillation_token, bool):
+            raise ValueError(f"`distillation_token` must be True or False. Received: {distillation_token!r}")
+        self.distillation_token = distillation_token
         self.hidden_dim = check_positive_int("hidden_dim", hidden_dim)
         if isinstance(num_registers, bool) or not isinstance(num_registers, int) or num_registers < 0:
             raise ValueError(f"`num_registers` must be an integer >= 0. Received: num_registers={num_registers!r}")
@@ -244,9 +261,18 @@ class PatchEncoder(keras.layers.Layer):
             initializer=self.kernel_initializer,
         )
         self.bias = self.add_weight(name="bias", shape=(self.hidden_dim,), initializer="zeros")
+        self.norm = None
+        if self.patch_norm is not None:
+            self.norm = make_norm(self.patch_norm, self.norm_epsilon, dtype=self.dtype_policy, name="norm")
+            self.norm.build((input_shape[0], None, self.hidden_dim))
         if self.use_class_token:
             self.class_token = self.add_weight(
                 name="class_token", shape=(1, 1, self.hidden_dim), initializer="zeros"
+            )
+        if self.distillation_token:
+            self.distillation_token_weight = self.add_weight(
+                name="distillation_token", shape=(1, 1, self.hidden_dim),
+                initializer=keras.initializers.TruncatedNormal(stddev=0.02),
             )
         if self.num_registers:
             # timm's initialisation of its reg_token: registers must differ from each other to learn apart.
@@ -254,7 +280,7 @@ class PatchEncoder(keras.layers.Layer):
                 name="register_tokens", shape=(1, self.num_registers, self.hidden_dim),
                 initializer=keras.initializers.RandomNormal(stddev=1e-6),
             )
-        tokens = self.num_patches + self.use_class_token
+        tokens = self.num_patches + self.num_positioned_prefix
         if self.position_embedding_type == "learned":
             self.position_embedding = self.add_weight(
                 name="position_embedding",
@@ -263,7 +289,7 @@ class PatchEncoder(keras.layers.Layer):
             )
         else:
             fixed = sincos_position_embedding(self.grid_size, self.hidden_dim)
-            self.position_embedding = np.pad(fixed, ((int(self.use_class_token), 0), (0, 0)))[None]
+            self.position_embedding = np.pad(fixed, ((self.num_positioned_prefix, 0), (0, 0)))[None]
 
     def call(self, images):
         if self.base_image_size is None:
@@ -288,15 +314,19 @@ class PatchEncoder(keras.layers.Layer):
             x = extract_patches(images, self.patch_size, grid)
             x = ops.matmul(x, ops.reshape(kernel, (-1, self.hidden_dim)))
         x = x + ops.cast(self.bias, self.compute_dtype)
-        if self.use_class_token:
-            class_token = ops.cast(self.class_token, self.compute_dtype)
-            class_token = ops.broadcast_to(class_token, (ops.shape(x)[0], 1, self.hidden_dim))
-            x = ops.concatenate([class_token, x], axis=1)
+        if self.norm is not None:
+            x = self.norm(x)
+        prefix = [self.class_token] if self.use_class_token else []
+        prefix += [self.distillation_token_weight] if self.distillation_token else []
+        if prefix:
+            prefix = [ops.broadcast_to(ops.cast(t, self.compute_dtype), (ops.shape(x)[0], 1, self.hidden_dim))
+                      for t in prefix]  # fmt: skip
+            x = ops.concatenate([*prefix, x], axis=1)
         x = x + ops.cast(positions, self.compute_dtype)
         if self.num_registers:
             registers = ops.cast(self.register_tokens, self.compute_dtype)
             registers = ops.broadcast_to(registers, (ops.shape(x)[0], self.num_registers, self.hidden_dim))
-            first = int(self.use_class_token)
+            first = self.num_positioned_prefix
             x = ops.concatenate([x[:, :first], registers, x[:, first:]], axis=1)
         return x
 
@@ -320,7 +350,7 @@ class PatchEncoder(keras.layers.Layer):
     def _positions(self, grid_h, grid_w):
         """(1, tokens, hidden_dim) float32 position embeddings for a patch grid known when the graph runs:
         learned ones resampled from the built grid (timm's resize), fixed ones computed for it."""
-        prefix = int(self.use_class_token)
+        prefix = self.num_positioned_prefix
         if self.position_embedding_type == "learned":
             old_h, old_w = self.grid_size
             grid = ops.reshape(ops.cast(self.position_embedding[0, prefix:], "float32"), (old_h, old_w, -1))
@@ -345,9 +375,14 @@ class PatchEncoder(keras.layers.Layer):
         return (input_shape[0], gh * gw + self.num_prefix_tokens, self.hidden_dim)
 
     @property
+    def num_positioned_prefix(self):
+        """The tokens before the patches that have position embeddings: the class and distillation tokens."""
+        return int(self.use_class_token) + int(self.distillation_token)
+
+    @property
     def num_prefix_tokens(self):
-        """The tokens before the patches': the class token (if any), then the registers."""
-        return int(self.use_class_token) + self.num_registers
+        """The tokens before the patches': the class token, the distillation token, then the registers."""
+        return self.num_positioned_prefix + self.num_registers
 
     def get_config(self):
         return {
@@ -360,4 +395,7 @@ class PatchEncoder(keras.layers.Layer):
             "position_embedding": self.position_embedding_type,
             "base_image_size": self.base_image_size,
             "num_registers": self.num_registers,
+            "distillation_token": self.distillation_token,
+            "patch_norm": self.patch_norm,
+            "norm_epsilon": self.norm_epsilon,
         }

@@ -6,7 +6,7 @@ from keras import ops
 from keras_vit import kernels
 from keras_vit.layers.attention import MultiHeadSelfAttention
 from keras_vit.layers.common import add_stacked_projections, check_positive_int, check_rate, register
-from keras_vit.layers.core import Dense, Dropout, LayerNormalization, gelu_activation
+from keras_vit.layers.core import Dense, Dropout, LayerNormalization, check_norm, gelu_activation, make_norm
 from keras_vit.layers.quantization import Int8Kernels
 
 
@@ -21,7 +21,10 @@ class TransformerBlock(keras.layers.Layer):
     g_1 and g_2 are 1 unless `layer_scale` is set: then they are learned
     per-channel scales (LayerScale, Touvron et al. 2021, "Going deeper with
     Image Transformers" (CaiT), section 2; DeiT III and DINOv2 use it),
-    initialised to `layer_scale`.
+    initialised to `layer_scale`.  With `mlp="swiglu"` the MLP is gated
+    (SwiGLU, Shazeer 2020, "GLU Variants Improve Transformer", eq. 6):
+    Dense(hidden)(SiLU(x W_gate) * (x W)), W and W_gate (hidden, mlp_dim).
+    LN is a LayerNorm, or with `norm="rms"` an RMSNorm.
 
     Args:
         num_heads: attention heads.
@@ -38,10 +41,13 @@ class TransformerBlock(keras.layers.Layer):
             LayerScale weights (timm's `init_values`: 1e-5 for DINOv2, 1e-6
             for DeiT III's deeper models).
         qkv_bias: the attention's query, key and value have biases.
+        norm: "layer" (LayerNorm) or "rms" (RMSNorm).
+        mlp: "plain" (the paper's) or "swiglu" (gated by SiLU; `gelu` is
+            then unused).
 
     Sublayers: `attention_norm`, `attention`, `mlp_norm`, `mlp_dense_1`,
-    `mlp_dense_2`; weights `attention_scale` and `mlp_scale` (hidden,) with
-    `layer_scale`.
+    `mlp_dense_2`, and `mlp_gate` with "swiglu"; weights `attention_scale`
+    and `mlp_scale` (hidden,) with `layer_scale`.
 
     >>> block = TransformerBlock(num_heads=2, mlp_dim=16)
     >>> tuple(block(keras.ops.zeros((1, 5, 8))).shape)
@@ -60,9 +66,15 @@ class TransformerBlock(keras.layers.Layer):
         gelu="exact",
         layer_scale=None,
         qkv_bias=True,
+        norm="layer",
+        mlp="plain",
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.norm = check_norm(norm)
+        if mlp not in MLPS:
+            raise ValueError(f"`mlp` must be one of {MLPS}. Received: mlp={mlp!r}")
+        self.mlp = mlp
         gelu_activation(gelu)  # Validates it now rather than at build time.
         self.gelu = gelu
         self.layer_scale = check_layer_scale(layer_scale)
@@ -84,13 +96,16 @@ class TransformerBlock(keras.layers.Layer):
                 f"hidden width. Received: input_shape={tuple(input_shape)}"
             )
         hidden, policy = input_shape[-1], self.dtype_policy
-        self.attention_norm = LayerNormalization(epsilon=self.layer_norm_epsilon, dtype=policy, name="attention_norm")
+        self.attention_norm = make_norm(self.norm, self.layer_norm_epsilon, dtype=policy, name="attention_norm")
         self.attention = MultiHeadSelfAttention(
             self.num_heads, dropout_rate=self.attention_dropout_rate, seed=self.seed, qkv_bias=self.qkv_bias,
             dtype=policy, name="attention",
         )
-        self.mlp_norm = LayerNormalization(epsilon=self.layer_norm_epsilon, dtype=policy, name="mlp_norm")
-        self.mlp_dense_1 = Dense(self.mlp_dim, activation=gelu_activation(self.gelu), dtype=policy, name="mlp_dense_1")
+        self.mlp_norm = make_norm(self.norm, self.layer_norm_epsilon, dtype=policy, name="mlp_norm")
+        swiglu = self.mlp == "swiglu"
+        self.mlp_dense_1 = Dense(self.mlp_dim, activation=None if swiglu else gelu_activation(self.gelu), dtype=policy,
+                                 name="mlp_dense_1")  # fmt: skip
+        self.mlp_gate = Dense(self.mlp_dim, activation="silu", dtype=policy, name="mlp_gate") if swiglu else None
         self.mlp_dense_2 = Dense(hidden, dtype=policy, name="mlp_dense_2")
         self.dropout = Dropout(self.dropout_rate, seed=self.seed, dtype=policy)
         self.seed_generator = keras.random.SeedGenerator(self.seed)
@@ -105,6 +120,7 @@ class TransformerBlock(keras.layers.Layer):
             (self.mlp_norm, input_shape),
             (self.mlp_dense_1, input_shape),
             (self.mlp_dense_2, (*input_shape[:-1], self.mlp_dim)),
+            *([(self.mlp_gate, input_shape)] if self.mlp_gate is not None else []),
         ):
             layer.build(shape)
 
@@ -122,7 +138,10 @@ class TransformerBlock(keras.layers.Layer):
         x = inputs + self._drop_path(self._scaled(self.dropout(attended, training=training), self.attention_scale),
                                      training)  # fmt: skip
         # Eq. 3: z = MLP(LN(z')) + z'.
-        y = self.mlp_dense_1(self.mlp_norm(x, training=training))
+        normed = self.mlp_norm(x, training=training)
+        y = self.mlp_dense_1(normed)
+        if self.mlp_gate is not None:
+            y = self.mlp_gate(normed) * y
         y = self.mlp_dense_2(self.dropout(y, training=training))
         outputs = x + self._drop_path(self._scaled(self.dropout(y, training=training), self.mlp_scale), training)
         if return_attention_scores:
@@ -157,7 +176,13 @@ class TransformerBlock(keras.layers.Layer):
             "gelu": self.gelu,
             "layer_scale": self.layer_scale,
             "qkv_bias": self.qkv_bias,
+            "norm": self.norm,
+            "mlp": self.mlp,
         }
+
+
+# The blocks' MLPs: "plain" (Dense -> GELU -> Dense) or "swiglu" (SiLU-gated).
+MLPS = ("plain", "swiglu")
 
 
 def check_layer_scale(value):
@@ -174,16 +199,19 @@ def check_layer_scale(value):
 class TokenPooling(keras.layers.Layer):
     """Pools the encoder's tokens into one vector per image (paper eq. 4's z_L^0).
 
-    "token": the class token (the first token); "gap": the mean of the tokens
-    after the first `skip` (models built with classifier "gap" have no class
-    token; register tokens, which come first, are left out as timm leaves
-    them out).
+    "token": the token after the first `skip` (0: the class token; 1: DeiT's
+    distillation token); "gap": the mean of the tokens after the first `skip`
+    (models built with classifier "gap" have no class token; register
+    tokens, which come first, are left out as timm leaves them out);
+    "token_gap": the class token and the mean of the tokens after the first
+    `skip` (the patches'), concatenated: twice the width (DINOv2's linear
+    classifier, transformers' `Dinov2ForImageClassification`).
 
     >>> tuple(TokenPooling("gap")(keras.ops.ones((2, 5, 8))).shape)
     (2, 8)
     """
 
-    METHODS = ("token", "gap")
+    METHODS = ("token", "gap", "token_gap")
 
     def __init__(self, method="token", skip=0, **kwargs):
         super().__init__(**kwargs)
@@ -196,11 +224,12 @@ class TokenPooling(keras.layers.Layer):
 
     def call(self, tokens):
         if self.method == "token":
-            return tokens[:, 0]
-        return ops.mean(tokens[:, self.skip :], axis=1)
+            return tokens[:, self.skip]
+        mean = ops.mean(tokens[:, self.skip :], axis=1)
+        return ops.concatenate([tokens[:, 0], mean], axis=-1) if self.method == "token_gap" else mean
 
     def compute_output_shape(self, input_shape):
-        return (input_shape[0], input_shape[-1])
+        return (input_shape[0], input_shape[-1] * (2 if self.method == "token_gap" else 1))
 
     def get_config(self):
         return {**super().get_config(), "method": self.method, "skip": self.skip}
