@@ -27,6 +27,8 @@ FEATURES = {
     "patch_norm": "a norm in the patch embedding",
     "distillation": "DeiT's distillation token",
     "parallel_blocks": "parallel blocks",
+    "fused_parallel_blocks": "parallel blocks with fused projections (timm's ParallelScalingBlock)",
+    "unpooled_class_token": "a class token the head does not read (mean pooling beside it)",
     "post_norm": "post-norm blocks",
     "differential_attention": "differential attention",
 }
@@ -60,8 +62,12 @@ def describe(model):
 
     block, features = model.blocks[0], set()
     kind = type(block).__name__
-    if kind in ("ParallelScalingBlock", "ParallelThingsBlock", "DiffParallelScalingBlock"):
+    if kind == "ParallelThingsBlock":
         features.add("parallel_blocks")
+    if kind in ("ParallelScalingBlock", "DiffParallelScalingBlock"):
+        features.add("fused_parallel_blocks")
+    if getattr(model, "cls_token", None) is not None and model.global_pool not in ("token", "map", ""):
+        features.add("unpooled_class_token")
     if kind.startswith("Diff") or type(getattr(block, "attn", None)).__name__.startswith("Diff"):
         features.add("differential_attention")
     if kind == "ResPostBlock":

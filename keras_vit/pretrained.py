@@ -33,10 +33,13 @@ from keras_vit.model import ViT
 
 LAYOUTS = (
     "timm (config.json with 'architecture' + model.safetensors)",
-    "transformers (config.json with model_type 'vit' + model.safetensors)",
+    "transformers (config.json with model_type 'vit', 'deit', 'dinov2' or 'dinov2_with_registers' + model.safetensors)",
     "original (.npz)",
 )
 WEIGHTS = "model.safetensors"
+# Large models' weights, sharded: the index (array name -> shard) and the shards beside it.
+SHARD_INDEX = "model.safetensors.index.json"
+SHARDS = "model-*-of-*.safetensors"
 CONFIG = "config.json"
 PREPROCESSOR = "preprocessor_config.json"
 # Options of `build_vit` a user may set: the rest is read from the files.
@@ -81,7 +84,8 @@ def _download(repo_id, revision, cache_dir):
         raise PretrainedError(f"Loading {repo_id!r} needs huggingface_hub: pip install huggingface_hub") from error
     try:
         return huggingface_hub.snapshot_download(
-            repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=[CONFIG, PREPROCESSOR, WEIGHTS]
+            repo_id, revision=revision, cache_dir=cache_dir,
+            allow_patterns=[CONFIG, PREPROCESSOR, WEIGHTS, SHARD_INDEX, SHARDS],
         )
     except Exception as error:  # Offline, missing, private, gated: all mean the same here.
         raise PretrainedError(
@@ -114,6 +118,8 @@ def _resolve(name_or_path, cache_dir=None):
     elif gfile.exists(name):
         if name.endswith(".json"):
             folder = os.path.dirname(name) or "."
+        elif _is_keras_file(name):
+            return "keras", name, None, None, name
         else:
             sibling = gfile.join(os.path.dirname(name) or ".", CONFIG)
             config = _read_json(sibling) if name.endswith(".safetensors") and gfile.exists(sibling) else None
@@ -127,6 +133,8 @@ def _resolve(name_or_path, cache_dir=None):
             )
         folder = _download(*hub, cache_dir)
     config_path, weights = gfile.join(folder, CONFIG), gfile.join(folder, WEIGHTS)
+    if not gfile.exists(weights) and gfile.exists(gfile.join(folder, SHARD_INDEX)):
+        weights = gfile.join(folder, SHARD_INDEX)
     if gfile.exists(config_path) and gfile.exists(weights):
         config = _read_json(config_path)
         preprocessor_path = gfile.join(folder, PREPROCESSOR)
@@ -141,14 +149,63 @@ def _resolve(name_or_path, cache_dir=None):
     raise PretrainedError(f"{name!r} holds {found}: none of the layouts read ({'; '.join(LAYOUTS)}){unread}.")
 
 
+def _is_keras_file(path):
+    """Whether `path` is a Keras model file (`model.save`'s `.keras`: a zip holding `config.json`,
+    `metadata.json` and the weights), which an `.npz` (a zip too) is not."""
+    import zipfile
+
+    if str(path).endswith(".keras"):
+        return True
+    try:
+        with _gfile().GFile(path, "rb") as f, zipfile.ZipFile(f) as archive:
+            names = set(archive.namelist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+    return {"config.json", "metadata.json"} <= names
+
+
+def _load_keras(path, label):
+    """The `keras_vit.ViT` a `.keras` file holds, loaded by Keras in safe mode (no code in the file runs); any
+    other Keras model is refused naming what it is."""
+    import tempfile
+
+    import keras
+
+    with tempfile.TemporaryDirectory() as folder:
+        if not str(path).endswith(".keras"):  # Keras reads `.keras` files by their name: a local copy by that name.
+            local = os.path.join(folder, "model.keras")
+            _gfile().copy(str(path), local)
+            path = local
+        return _load_keras_file(keras, path, label)
+
+
+def _load_keras_file(keras, path, label):
+    try:
+        model = keras.saving.load_model(path, safe_mode=True)
+    except Exception as error:  # Keras raises many kinds for files it cannot read.
+        raise PretrainedError(
+            f"{label!r} is a Keras model file that keras.saving.load_model cannot load: {error}"
+        ) from error
+    if not isinstance(model, ViT):
+        raise PretrainedError(
+            f"{label!r} is a Keras model file holding a {type(model).__name__!r}, not a keras_vit.ViT; load it with "
+            "keras.saving.load_model."
+        )
+    return model
+
+
+# transformers' model types read: ViT, DeiT (with its distillation token) and DINOv2 (layer scale, registers).
+TRANSFORMERS_TYPES = ("vit", "deit", "dinov2", "dinov2_with_registers")
+
+
 def _config_layout(config, path):
     if "architecture" in config:
         return "timm"
-    if config.get("model_type") == "vit" or "hidden_size" in config:
-        if config.get("model_type", "vit") != "vit":
+    if config.get("model_type") in TRANSFORMERS_TYPES or "hidden_size" in config:
+        if config.get("model_type", "vit") not in TRANSFORMERS_TYPES:
             raise PretrainedError(
-                f"{path!r} describes a transformers {config['model_type']!r} model; only model_type 'vit' "
-                "(ViTModel, ViTForImageClassification) is read."
+                f"{path!r} describes a transformers {config['model_type']!r} model; the model types read are "
+                f"{list(TRANSFORMERS_TYPES)}."
             )
         return "transformers"
     raise PretrainedError(
@@ -169,8 +226,9 @@ def from_pretrained(name_or_path, *, image_size=None, num_classes="file", class_
             "google/vit-base-patch16-224", optionally "@revision"; a bare timm model name stands for its
             "timm/" repository), a local or gs:// folder holding one of the hub layouts, or a file
             (`.npz`; a `.safetensors` is read with the `config.json` beside it, or alone as an original
-            checkpoint would be).  Hub downloads go through `huggingface_hub` and its cache
-            (`HF_HUB_OFFLINE=1`: the cache only).
+            checkpoint would be; a `.keras` file of a `keras_vit.ViT`, loaded by Keras in safe mode).  A
+            folder's weights may be sharded (`model.safetensors.index.json` and its shards).  Hub downloads
+            go through `huggingface_hub` and its cache (`HF_HUB_OFFLINE=1`: the cache only).
         image_size: another (height, width), or "dynamic": any size whose
             sides divide by the patch size, the position embeddings resampled
             in the graph (timm's `dynamic_img_size`).  Default: the weights'
@@ -207,15 +265,26 @@ def from_pretrained(name_or_path, *, image_size=None, num_classes="file", class_
     _check_build_options(build_options)
     layout, weights_path, config, preprocessor, label = _resolve(name_or_path, cache_dir)
     dynamic = image_size == "dynamic"
-    spec, arrays = READERS[layout](
-        weights_path, config, preprocessor, label, num_heads=num_heads, image_size=None if dynamic else image_size
-    )
+    if layout == "keras":
+        saved = _load_keras(weights_path, label)
+        unchanged = image_size is None and num_classes == "file" and class_names is None and not build_options
+        if unchanged:
+            return saved
+        spec, arrays = saved.spec, model_io.model_checkpoint(saved)
+        if image_size is not None and not dynamic:
+            spec = spec.replace(image_size=image_size, preprocessing=None)
+    else:
+        spec, arrays = READERS[layout](
+            weights_path, config, preprocessor, label, num_heads=num_heads, image_size=None if dynamic else image_size
+        )
     new_head = num_classes != "file" and (num_classes or None) != spec.num_classes
     changes = {key: value for key, value in build_options.items() if key != "name"}
     if dynamic:
         changes["dynamic_image_size"] = True
     if new_head:
         changes.update(num_classes=num_classes or None, class_names=None)
+        if not num_classes and spec.distillation == "head":  # A backbone keeps the token, not its head.
+            changes["distillation"] = "token"
     if class_names is not None:
         changes["class_names"] = [str(n) for n in class_names]  # Checked against the head by the spec.
     model = ViT(spec.replace(**changes), name=build_options.get("name") or _model_name(label))

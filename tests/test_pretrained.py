@@ -261,11 +261,11 @@ def test_what_cannot_be_read_is_named_with_the_layouts_tried(tmp_path):
     with pytest.raises(PretrainedError, match=r"pytorch_model.bin.*not read \(use a model.safetensors\)"):
         keras_vit.from_pretrained(tmp_path / "torch")
     transformers_folder(tmp_path / "swin", model_type="swin")
-    with pytest.raises(PretrainedError, match=r"transformers 'swin' model; only model_type 'vit'"):
+    with pytest.raises(PretrainedError, match=r"transformers 'swin' model; the model types read are \['vit', 'deit'"):
         keras_vit.from_pretrained(tmp_path / "swin")
-    timm_folder(tmp_path / "distilled", architecture="deit_small_distilled_patch16_224")
-    with pytest.raises(PretrainedError, match=r"'deit_small_distilled_patch16_224' has DeiT's distillation token"):
-        keras_vit.from_pretrained(tmp_path / "distilled")
+    timm_folder(tmp_path / "post_norm", architecture="vit_base_patch16_rpn_224")
+    with pytest.raises(PretrainedError, match=r"'vit_base_patch16_rpn_224' has post-norm blocks, which this library"):
+        keras_vit.from_pretrained(tmp_path / "post_norm")
     timm_folder(tmp_path / "silu", model_args={"act_layer": "silu"})
     with pytest.raises(PretrainedError, match=r"act_layer='silu'"):
         keras_vit.from_pretrained(tmp_path / "silu")
@@ -274,14 +274,92 @@ def test_what_cannot_be_read_is_named_with_the_layouts_tried(tmp_path):
     with pytest.raises(PretrainedError, match=r"heads is in no config \(timm architecture 'my_vit'\); pass num_heads="):
         keras_vit.from_pretrained(tmp_path / "own")
     assert keras_vit.from_pretrained(tmp_path / "own", num_heads=HEADS).get_layer("encoderblock_0").num_heads == HEADS
-    timm_folder(tmp_path / "avg", global_pool="avg")
-    with pytest.raises(PretrainedError, match=r"global_pool='avg' with the arrays of a classifier='token' model"):
-        keras_vit.from_pretrained(tmp_path / "avg")
+    timm_folder(tmp_path / "map", global_pool="map")
+    with pytest.raises(PretrainedError, match=r"global_pool='map' with the arrays of a classifier='token' model"):
+        keras_vit.from_pretrained(tmp_path / "map")
     (tmp_path / "bad").mkdir()
     save_file({"x": np.zeros(3, np.float32)}, str(tmp_path / "bad" / "model.safetensors"))
     (tmp_path / "bad" / "config.json").write_text("[1, 2]")
     with pytest.raises(PretrainedError, match=r"holds a JSON list; expected an object"):
         keras_vit.from_pretrained(tmp_path / "bad")
+
+
+@pytest.mark.parametrize("layout", ["timm", "transformers"])
+def test_sharded_weights_read_as_the_whole_file(tmp_path, layout):
+    """A folder whose weights are sharded (`model.safetensors.index.json` and its shards, as transformers and timm
+    save large models) gives the model the whole file gives; a shard that lacks an indexed array, or is not
+    there, is named."""
+    whole = tmp_path / "whole"
+    (timm_folder if layout == "timm" else transformers_folder)(whole)
+    arrays = checkpoints.read_safetensors((whole / "model.safetensors").read_bytes(), "whole")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for name in os.listdir(whole):
+        if name != "model.safetensors":
+            (sharded / name).write_bytes((whole / name).read_bytes())
+    keys = sorted(arrays)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for shard, names in shards.items():
+        save_file({k: arrays[k] for k in names}, str(sharded / shard), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": 0}, "weight_map": {k: shard for shard, names in shards.items() for k in names}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    images = random_images((2, SIDE, SIDE, 3))
+    expected = keras_vit.from_pretrained(whole).predict(images, verbose=0)
+    np.testing.assert_array_equal(keras_vit.from_pretrained(sharded).predict(images, verbose=0), expected)
+    index["weight_map"]["extra.weight"] = "model-00001-of-00002.safetensors"
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(checkpoints.CheckpointError, match=r"does not hold what .* says: missing \['extra.weight'\]"):
+        keras_vit.from_pretrained(sharded)
+    index["weight_map"]["extra.weight"] = "model-00003-of-00003.safetensors"
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(checkpoints.CheckpointError, match=r"names the shard 'model-00003-of-00003.safetensors'"):
+        keras_vit.from_pretrained(sharded)
+
+
+@pytest.mark.parametrize("layout, field, value, says", [
+    ("transformers", "hidden_size", 1_000_000, "a width of 12"),
+    ("transformers", "num_hidden_layers", 10_000, "2 blocks"),
+    ("transformers", "intermediate_size", 7, "an MLP width of"),
+    ("transformers", "patch_size", 4, "patches of"),
+    ("transformers", "image_size", 48, "position embeddings for"),
+    ("transformers", "num_attention_heads", 5, "a width of 12, which that many heads do not divide"),
+    ("timm", "embed_dim", 1_000_000, "a width of 12"),
+    ("timm", "depth", 3, "2 blocks"),
+    ("timm", "img_size", 40, "position embeddings for"),
+    ("timm", "num_classes", 7, "a head of"),
+])
+def test_a_config_that_contradicts_its_arrays_is_refused_naming_the_field_and_both_values(tmp_path, layout, field,
+                                                                                         value, says):
+    if layout == "timm" and field == "num_classes":
+        timm_folder(tmp_path / "f", num_classes=value)
+    elif layout == "timm":
+        timm_folder(tmp_path / "f", model_args={field: value})
+    else:
+        transformers_folder(tmp_path / "f", **{field: value})
+    name = f"model_args.{field}" if layout == "timm" and field != "num_classes" else field
+    with pytest.raises(PretrainedError, match=rf"config.json says {name}={value}, the arrays hold {says}"):
+        keras_vit.from_pretrained(tmp_path / "f")
+
+
+def test_a_keras_file_is_loaded_by_keras_and_any_other_model_is_refused_by_name(tmp_path):
+    """A `.keras` file of a keras_vit.ViT: Keras' own loading in safe mode, the same model (and with a new head
+    or size, from its weights); another Keras model, or a .keras file under another name, named for what it is."""
+    model = randomize_weights(keras_vit.build_vit("testing", image_size=16, num_classes=3, hidden_dim=16, num_layers=1,
+                                                  num_heads=2, mlp_dim=32, patch_size=4, layer_scale=1e-5))  # fmt: skip
+    model.save(tmp_path / "vit.keras")
+    images = random_images((2, 16, 16, 3))
+    loaded = keras_vit.from_pretrained(tmp_path / "vit.keras")
+    np.testing.assert_array_equal(loaded.predict(images, verbose=0), model.predict(images, verbose=0))
+    larger = keras_vit.from_pretrained(tmp_path / "vit.keras", image_size=24, num_classes=5)
+    assert larger.output_shape == (None, 5) and larger.input_shape == (None, 24, 24, 3)
+    np.testing.assert_array_equal(larger.get_layer("encoderblock_0").mlp_scale.numpy(),
+                                  model.get_layer("encoderblock_0").mlp_scale.numpy())  # fmt: skip
+    (tmp_path / "renamed.npz").write_bytes((tmp_path / "vit.keras").read_bytes())  # A zip, as an .npz is.
+    assert isinstance(keras_vit.from_pretrained(tmp_path / "renamed.npz"), keras_vit.ViT)
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    other.save(tmp_path / "other.keras")
+    with pytest.raises(PretrainedError, match=r"holding a 'Sequential', not a keras_vit.ViT; load it with keras"):
+        keras_vit.from_pretrained(tmp_path / "other.keras")
 
 
 def test_hub_ids_are_read_from_huggingface_hubs_cache_offline(tmp_path, monkeypatch):
@@ -388,7 +466,10 @@ from PIL import Image
 import timm
 from timm.data import create_transform
 from timm.models._hub import save_for_hf
-from transformers import DeiTImageProcessor, ViTConfig, ViTForImageClassification, ViTImageProcessor
+from transformers import (BitImageProcessor, DeiTConfig, DeiTForImageClassificationWithTeacher, DeiTImageProcessor,
+                          Dinov2Config, Dinov2ForImageClassification, Dinov2WithRegistersConfig,
+                          Dinov2WithRegistersForImageClassification, ViTConfig, ViTForImageClassification,
+                          ViTImageProcessor)
 
 torch.set_num_threads(1)
 out = sys.argv[1]
@@ -430,16 +511,26 @@ for name, (architecture, args) in json.loads(sys.argv[2]).items():
         outputs[f"{name}/photos"] = model(batch).numpy()
         outputs[f"{name}/pixels"] = pixels(batch, cfg["mean"], cfg["std"]).numpy()
 
-processors = {
-    "transformers_google": ViTImageProcessor(size={"height": 32, "width": 32}, resample=2),
-    "transformers_deit": DeiTImageProcessor(size={"height": 36, "width": 36}, resample=3, crop_size=32,
-                                            image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]),
+imagenet = dict(image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+deit_processor = DeiTImageProcessor(size={"height": 36, "width": 36}, resample=3, crop_size=32, **imagenet)
+# DINOv2's: the shorter side resized (256 for 224), the center cropped, bicubic.
+dinov2_processor = BitImageProcessor(size={"shortest_edge": 36}, crop_size={"height": 32, "width": 32}, resample=3,
+                                     do_center_crop=True, **imagenet)
+sizes = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8, num_labels=5,
+             id2label={i: f"class {i}" for i in range(5)}, label2id={f"class {i}": i for i in range(5)})
+models = {
+    "transformers_google": (ViTForImageClassification, ViTConfig(intermediate_size=24, **sizes),
+                            ViTImageProcessor(size={"height": 32, "width": 32}, resample=2)),
+    "transformers_deit": (ViTForImageClassification, ViTConfig(intermediate_size=24, **sizes), deit_processor),
+    "transformers_deit_teacher": (DeiTForImageClassificationWithTeacher, DeiTConfig(intermediate_size=24, **sizes),
+                                  deit_processor),
+    "transformers_dinov2": (Dinov2ForImageClassification, Dinov2Config(mlp_ratio=2, **sizes), dinov2_processor),
+    "transformers_dinov2_registers": (Dinov2WithRegistersForImageClassification,
+                                      Dinov2WithRegistersConfig(mlp_ratio=2, num_register_tokens=4, **sizes),
+                                      dinov2_processor),
 }
-for name, processor in processors.items():
-    config = ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24,
-                       image_size=32, patch_size=8, num_labels=5, id2label={i: f"class {i}" for i in range(5)},
-                       label2id={f"class {i}": i for i in range(5)})
-    model = ViTForImageClassification(config).eval()
+for name, (kind, config, processor) in models.items():
+    model = kind(config).eval()
     randomize(model, len(name))
     model.save_pretrained(f"{out}/{name}")
     processor.save_pretrained(f"{out}/{name}")
@@ -471,6 +562,7 @@ TIMM_CASES = {
     "dinov2_registers": ("vit_small_patch14_reg4_dinov2", dict(embed_dim=16, depth=2, num_heads=4)),
     "clip_quickgelu": ("vit_base_patch16_clip_quickgelu_224", dict(embed_dim=16, depth=2, num_heads=4)),
     "miil": ("vit_base_patch16_224_miil", dict(embed_dim=16, depth=2, num_heads=4)),
+    "deit_distilled": ("deit_tiny_distilled_patch16_224", dict(embed_dim=16, depth=2, num_heads=4)),
 }
 for _, _args in TIMM_CASES.values():
     _args.update(img_size=32, patch_size=8, num_classes=5)
@@ -502,7 +594,11 @@ def torch_reference(tmp_path_factory):
     return out, inputs, dict(np.load(out / "outputs.npz")), source
 
 
-@pytest.mark.parametrize("name", [*TIMM_CASES, "transformers_google", "transformers_deit"])
+TRANSFORMERS_CASES = ["transformers_google", "transformers_deit", "transformers_deit_teacher", "transformers_dinov2",
+                      "transformers_dinov2_registers"]
+
+
+@pytest.mark.parametrize("name", [*TIMM_CASES, *TRANSFORMERS_CASES])
 def test_files_saved_by_timm_and_transformers_give_their_outputs_with_their_preprocessing(torch_reference, name):
     """Each library's own file, read by from_pretrained alone: its logits on raw pixels within 1e-4 (measured
     within 1.3e-6), at the dynamic sizes too; its evaluation transform (Pillow) on photos: the same pixels

@@ -72,6 +72,20 @@ CASES = {
     ),
     "quick_gelu": (dict(gelu="quick", pre_norm=True), {"act_layer": "quick_gelu", "pre_norm": True}),
     "no_qkv_bias": (dict(qkv_bias=False), {"qkv_bias": False}),
+    "distilled": (dict(distillation="head"), {"distilled": True}),  # timm's VisionTransformerDistilled
+    # AIMv2's layout: RMSNorm everywhere (the patch embeddings too), SwiGLU, no biases but the patch embedding's.
+    "aimv2": (
+        dict(norm="rms", patch_norm=True, mlp="swiglu", qkv_bias=False, classifier="gap"),
+        {"class_token": False, "fc_norm": False, "global_pool": "avg", "qkv_bias": False, "proj_bias": False,
+         "act_layer": "silu", "norm_layer": "rmsnorm", "embed_norm_layer": "RmsNorm", "mlp_layer": "SwiGLU"},
+    ),
+    # BEiT-3's and EVA's pooling: a class token beside a mean that leaves it out, with fc_norm.
+    "unpooled_class_token": (dict(classifier="gap", class_token=True, pooled_norm=True), {"global_pool": "avg"}),
+    # DINOv2 giant's: layer scale and timm's packed SwiGLU (one fc1 of twice the width).
+    "swiglu_packed": (
+        dict(mlp="swiglu", layer_scale=1e-5),
+        {"mlp_layer": "SwiGLUPacked", "act_layer": "silu", "mlp_ratio": 8, "init_values": 1e-5},
+    ),
 }
 
 
@@ -198,10 +212,11 @@ def test_missing_key_is_named_in_timms_names(state_dict, tmp_path):
 
 def test_unsupported_timm_parts_are_named(state_dict, tmp_path):
     state_dict["blocks.0.attn.q_norm.weight"] = np.ones(4, "float32")
-    state_dict["dist_token"] = np.zeros((1, 1, 16), "float32")
+    state_dict["blocks.0.attn.norm.weight"] = np.ones(16, "float32")
     assert_fails_unchanged(
         state_dict, tmp_path,
-        r"no place for.*'blocks.0.attn.q_norm.weight', 'dist_token'.*distillation token.*query-key normalisation",
+        r"no place for.*'blocks.0.attn.norm.weight', 'blocks.0.attn.q_norm.weight'.*norms inside the attention.*"
+        r"query-key normalisation",
     )
 
 
@@ -321,7 +336,9 @@ def test_bicubic_antialias_is_pillows_bicubic(old_grid, new_grid):
 TIMM_SIDE = r"""
 import json, sys
 import numpy as np, torch
+import timm.layers
 from safetensors.torch import save_file
+from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
 torch.set_num_threads(1)
@@ -329,7 +346,11 @@ out, cases = sys.argv[1], json.loads(sys.argv[2])
 images = dict(np.load(out + "/images.npz"))
 outputs = {}
 for name, (kwargs, sizes) in cases.items():
-    make = lambda size: VisionTransformer(
+    model_class = VisionTransformerDistilled if kwargs.pop("distilled", False) else VisionTransformer
+    for key in ("mlp_layer", "embed_norm_layer"):  # timm.layers classes, by name.
+        if key in kwargs:
+            kwargs[key] = getattr(timm.layers, kwargs[key])
+    make = lambda size: model_class(
         img_size=size, patch_size=4, embed_dim=16, depth=2, num_heads=4, num_classes=5, **kwargs
     ).eval()
     model = make(16)
@@ -357,6 +378,7 @@ SIZES = {
     "map_tanh": [(16, 16), (24, 24)],
     "registers": [(16, 16), (24, 16)],
     "dinov2_registers": [(16, 16), (28, 28)],
+    "distilled": [(16, 16), (24, 20)],
 }
 
 
@@ -404,8 +426,9 @@ def test_timm_files_give_timms_outputs_at_every_size(timm_reference, name):
 
 def test_the_timm_table_opens_the_family_the_library_builds_and_names_what_it_refuses(tmp_path):
     """The rows of timm's ViT architectures: those whose parts the library builds open (DINOv2 with and without
-    registers, DeiT III, quick-GELU CLIP, MIIL among them), the count docs/checkpoints.md states; a refused
-    one is refused by from_pretrained naming its parts, before any array is read."""
+    registers and its giant, DeiT III, distilled DeiT, AIMv2, EVA, quick-GELU CLIP, MIIL among them), the count
+    docs/checkpoints.md states; a refused one is refused by from_pretrained naming its parts, before any array
+    is read."""
     from keras_vit.checkpoints.readers import timm_refusals
     from keras_vit.checkpoints.timm_architectures import TIMM_ARCHITECTURES
 
@@ -416,10 +439,12 @@ def test_the_timm_table_opens_the_family_the_library_builds_and_names_what_it_re
     refused = len(TIMM_ARCHITECTURES) - len(opens)
     assert f"Of the {len(TIMM_ARCHITECTURES)} architectures" in docs
     assert f"{len(opens)} open; the {refused} left" in docs
-    assert timm_refusals(TIMM_ARCHITECTURES["vit_giant_patch14_reg4_dinov2"]) == ["a gated (SwiGLU) MLP"]
-    folder = tmp_path / "distilled"
+    assert {"vit_giant_patch14_reg4_dinov2", "aimv2_large_patch14_224", "deit_base_distilled_patch16_224",
+            "eva_large_patch14_196"} <= opens
+    assert timm_refusals(TIMM_ARCHITECTURES["vit_base_patch16_rpn_224"]) == ["post-norm blocks"]
+    folder = tmp_path / "parallel"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"architecture": "deit_tiny_distilled_patch16_224"}))
+    (folder / "config.json").write_text(json.dumps({"architecture": "vit_pwee_patch16_reg1_gap_256"}))
     checkpoints.write_safetensors({"cls_token": np.zeros((1, 1, 16), "float32")}, str(folder / "model.safetensors"))
-    with pytest.raises(Exception, match="deit_tiny_distilled_patch16_224' has DeiT's distillation token"):
+    with pytest.raises(Exception, match="vit_pwee_patch16_reg1_gap_256' has parallel blocks with fused projections"):
         keras_vit.from_pretrained(folder)

@@ -133,12 +133,57 @@ def write_safetensors(arrays, path):
 # === Either ===
 
 
+SHARD_INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def read_sharded(index_path, max_bytes=None):
+    """The arrays of a checkpoint sharded over several `.safetensors` files, as transformers and timm save
+    large models: `index_path` (`model.safetensors.index.json`) maps each array's name to its shard
+    (`{"weight_map": {name: "model-00001-of-00002.safetensors", ...}}`, the shards beside the index).  Every
+    name is read from the shard the index gives; a shard that lacks one, holds one the index does not give
+    it, or is missing is named.  `max_bytes` bounds each shard."""
+    import json
+
+    import tensorflow as tf
+
+    try:
+        index = json.loads(read_bytes(index_path))
+    except ValueError as error:
+        raise CheckpointError(f"{index_path!r} is not valid JSON: {error}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path!r} has no 'weight_map' (array name -> shard file); not a shard index.")
+    folder = index_path.rsplit("/", 1)[0] if "/" in index_path else "."
+    by_shard = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or "/" in shard or shard in (".", ".."):
+            raise CheckpointError(f"{index_path!r}: the shard of {name!r} is {shard!r}; expected a file name.")
+        by_shard.setdefault(shard, set()).add(name)
+    arrays = {}
+    for shard, names in sorted(by_shard.items()):
+        path = tf.io.gfile.join(folder, shard)
+        if not tf.io.gfile.exists(path):
+            raise CheckpointError(f"{index_path!r} names the shard {shard!r}, which is not beside it.")
+        found = read_checkpoint(path, max_bytes)
+        if set(found) != names:
+            missing, extra = sorted(names - set(found)), sorted(set(found) - names)
+            raise CheckpointError(
+                f"The shard {path!r} does not hold what {index_path!r} says: missing {missing[:5]}, not indexed "
+                f"{extra[:5]}."
+            )
+        arrays.update(found)
+    return arrays
+
+
 def read_checkpoint(path, max_bytes=None):
     """Reads an .npz or .safetensors checkpoint (local or gs:// path, told apart by their contents)
     as a dict of arrays; nothing is unpickled.  A directory and an empty file are refused with their own
     messages; with `max_bytes`, a file, or the arrays an .npz declares, larger than that is refused before it
-    is read or decompressed."""
+    is read or decompressed.  A shard index (`*.safetensors.index.json`) reads its shards (`read_sharded`)."""
     import tensorflow as tf
+
+    if str(path).endswith(SHARD_INDEX_SUFFIX):
+        return read_sharded(str(path), max_bytes)
 
     # One stat for a file (a round trip on gs://); a folder of an object store, a prefix, has none.
     try:

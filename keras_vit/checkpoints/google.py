@@ -41,6 +41,11 @@ _TOP_LEVEL = {
     "cls": "patch_encoder/class_token",
     # Names no original checkpoint has: register tokens (timm's reg_token) and LayerScale (the blocks' below).
     "reg": "patch_encoder/register_tokens",
+    "dist": "patch_encoder/distillation_token",
+    "embedding_norm/scale": "patch_encoder/norm/gamma",  # timm's patch_embed.norm (build_vit patch_norm)
+    "embedding_norm/bias": "patch_encoder/norm/beta",
+    "head_dist/kernel": "head_distillation/kernel",
+    "head_dist/bias": "head_distillation/bias",
     POSEMB: "patch_encoder/position_embedding",
     "Transformer/encoder_norm/scale": "encoder_norm/gamma",
     "Transformer/encoder_norm/bias": "encoder_norm/beta",
@@ -75,6 +80,9 @@ _BLOCK = {
     f"{BLOCK_ATTENTION}/out/bias": "attention/output_bias",
     "LayerScale_0/scale": "attention_scale",
     "LayerScale_1/scale": "mlp_scale",
+    # A gated MLP's gate (build_vit mlp="swiglu"), beside Dense_0, the gated values.
+    "MlpBlock_3/Gate_0/kernel": "mlp_gate/kernel",
+    "MlpBlock_3/Gate_0/bias": "mlp_gate/bias",
 }
 _QKV = ("query", "key", "value")
 # The attention layers' fused projections (`<name>_kernel`, `<name>_bias`) -> the checkpoint's
@@ -93,6 +101,10 @@ _NORM_PARAM = {"scale": "gamma", "bias": "beta"}
 _TOP_LEVEL_BY_PATH = {ours: theirs for theirs, ours in _TOP_LEVEL.items()}
 _BLOCK_BY_PATH = {ours: theirs for theirs, ours in _BLOCK.items()}
 _NORM_PARAM_BY_PATH = {ours: theirs for theirs, ours in _NORM_PARAM.items()}
+# An RMSNorm (build_vit norm="rms") keeps its scale as `scale`, not `gamma`, and has no bias: the same key.
+for _table in (_TOP_LEVEL_BY_PATH, _BLOCK_BY_PATH):
+    _table.update({ours[: -len("gamma")] + "scale": theirs for ours, theirs in list(_table.items())
+                   if ours.endswith("/gamma")})  # fmt: skip
 
 
 # === Layouts ===
@@ -226,12 +238,20 @@ _OPTIONAL_PARTS = (
      "pooled_norm=False", "pooled_norm=True"),
     ("pooled_norm/", "pooled_norm/", "a LayerNorm after the pooling (timm's fc_norm)", "pooled_norm=True",
      "pooled_norm=False"),
+    ("dist$", "patch_encoder/distillation_token", "DeiT's distillation token", "distillation='token' or 'head'",
+     "distillation=None"),
     ("reg$", "patch_encoder/register_tokens", "register tokens", "num_registers=N (N: the file's count)",
      "num_registers=0"),
     (_IN_BLOCK + "LayerScale_", r"encoderblock_\d+/(attention|mlp)_scale", "layer scale (LayerScale)",
      "layer_scale=1e-5 (the initial value; the file's scales are loaded)", "layer_scale=None"),
     (_IN_BLOCK + BLOCK_ATTENTION + "/(query|key|value)/bias", r"encoderblock_\d+/attention/qkv_bias",
      "query, key and value biases", "qkv_bias=True", "qkv_bias=False"),
+    (_IN_BLOCK + "LayerNorm_0/bias", r"encoderblock_\d+/attention_norm/beta",
+     "LayerNorm biases (LayerNorms, not RMSNorms)", "norm='layer'", "norm='rms'"),
+    ("embedding_norm/", "patch_encoder/norm/", "a norm of the patch embeddings", "patch_norm=True",
+     "patch_norm=False"),
+    (_IN_BLOCK + "MlpBlock_3/Gate_0/", r"encoderblock_\d+/mlp_gate/", "a gated (SwiGLU) MLP", "mlp='swiglu'",
+     "mlp='plain'"),
 )
 
 
@@ -290,13 +310,14 @@ def _resnet_key(path, params, key_name):
     return key
 
 
-def _fit_position_embeddings(value, grid_size, has_class_token, drop_class_row, width, interpolation, name):
+def _fit_position_embeddings(value, grid_size, prefix, drop_class_row, width, interpolation, name):
     """(position embeddings for the model, a note or None): the checkpoint's `value` without its class-token
-    row when `drop_class_row`, its patch rows resampled to `grid_size` when their number differs and the
-    model's `width` agrees (a width that does not is the caller's shape mismatch)."""
+    row when `drop_class_row`, its patch rows (after `prefix` rows: the class and distillation tokens')
+    resampled to `grid_size` when their number differs and the model's `width` agrees (a width that does not
+    is the caller's shape mismatch)."""
     if drop_class_row:
         value = value[:, 1:]
-    patches = value.shape[1] - has_class_token
+    patches = value.shape[1] - prefix
     if patches == grid_size[0] * grid_size[1] or value.shape[-1] != width:
         return value, None
     if square_side(patches) is None:
@@ -306,7 +327,7 @@ def _fit_position_embeddings(value, grid_size, has_class_token, drop_class_row, 
             "with keras_vit.resample_position_embeddings(..., old_grid=...) first."
         )
     note = f"Position embeddings resampled from {patches} to {grid_size[0]}x{grid_size[1]} patches ({interpolation})."
-    return resample_position_embeddings(value, grid_size, interpolation, num_prefix_tokens=int(has_class_token)), note
+    return resample_position_embeddings(value, grid_size, interpolation, num_prefix_tokens=prefix), note
 
 
 def _head_mismatch(path, theirs, value_shape, shape, skip_mismatched_head):
@@ -328,7 +349,7 @@ def _unused_notes(params, used, key_name):
     """Notes on the checkpoint's keys the model did not take (a head or pre-logits, dropped); a
     CheckpointError when any other key is left over."""
     unused = sorted(set(params) - used)
-    dropped = [k for k in unused if k.startswith(("pre_logits/", "head/"))]
+    dropped = [k for k in unused if k.startswith(("pre_logits/", "head/", "head_dist/"))]
     unexpected = [k for k in unused if k not in dropped]
     if unexpected:
         raise CheckpointError(
@@ -404,17 +425,18 @@ def convert_checkpoint(
     weights, notes = {}, []
     has_class_token = "patch_encoder/class_token" in target_shapes
     drop_class_row = "cls" in params and not has_class_token
+    prefix = int(has_class_token) + int("patch_encoder/distillation_token" in target_shapes)
     for path, shape in target_shapes.items():
         shape = tuple(shape)
         theirs = _TOP_LEVEL_BY_PATH.get(path)
-        is_head = path.startswith("head/") and theirs is not None
+        is_head = path.startswith(("head/", "head_distillation/")) and theirs is not None
         if is_head and theirs not in params:
             notes.append(f"The checkpoint has no head: {path} left as initialised.")
             continue
         value = read.weight(path)
         if path == "patch_encoder/position_embedding":
             value, note = _fit_position_embeddings(
-                value, grid_size, has_class_token, drop_class_row, shape[-1], interpolation, key_name(theirs)
+                value, grid_size, prefix, drop_class_row, shape[-1], interpolation, key_name(theirs)
             )
             notes += [note] if note else []
         if is_head and value.shape != shape:

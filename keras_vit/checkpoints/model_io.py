@@ -163,7 +163,7 @@ def save_transformers(model, folder, *, class_names=None):
     blocks = [layer for layer in model.layers if isinstance(layer, TransformerBlock)]
     params = model_checkpoint(model)
     options = {
-        "classifier='token'": encoder.use_class_token,
+        "classifier='token'": encoder.use_class_token and getattr(model.get_layer("pooling"), "method", "") == "token",
         "num_classes (a head)": "head/kernel" in params,
         "position_embedding='learned'": encoder.position_embedding_type == "learned",
         "representation_size=None": not any(layer.name == "pre_logits" for layer in model.layers),
@@ -171,6 +171,9 @@ def save_transformers(model, folder, *, class_names=None):
             layer.name in ("pre_norm", "pooled_norm") for layer in model.layers
         ),
         "square patches": encoder.patch_size[0] == encoder.patch_size[1],
+        # Parts transformers' ViT layout has no place for (DINOv2's and DeiT's layouts are read, not written).
+        "layer_scale=None, num_registers=0 and distillation=None": not (
+            blocks and blocks[0].layer_scale is not None) and encoder.num_prefix_tokens == 1,
     }
     missing = [option for option, ok in options.items() if not ok]
     if missing or not blocks:
@@ -192,7 +195,7 @@ def save_transformers(model, folder, *, class_names=None):
         "num_hidden_layers": len(blocks),
         "num_attention_heads": blocks[0].num_heads,
         "intermediate_size": blocks[0].mlp_dim,
-        "hidden_act": {"exact": "gelu", "tanh": "gelu_pytorch_tanh"}[blocks[0].gelu],
+        "hidden_act": {"exact": "gelu", "tanh": "gelu_pytorch_tanh", "quick": "quick_gelu"}[blocks[0].gelu],
         "hidden_dropout_prob": 0.0,
         "attention_probs_dropout_prob": 0.0,
         "initializer_range": 0.02,
@@ -200,7 +203,7 @@ def save_transformers(model, folder, *, class_names=None):
         "image_size": height if height == width else [height, width],
         "patch_size": encoder.patch_size[0],
         "num_channels": int(params["embedding/kernel"].shape[2]),
-        "qkv_bias": True,
+        "qkv_bias": blocks[0].qkv_bias,
         "encoder_stride": encoder.patch_size[0],
         "id2label": {str(i): name for i, name in enumerate(labels)},
         "label2id": {name: i for i, name in enumerate(labels)},

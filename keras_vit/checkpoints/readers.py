@@ -19,7 +19,7 @@ import numpy as np
 
 from keras_vit.checkpoints import model_io, timm, transformers
 from keras_vit.checkpoints.base import BLOCK_ATTENTION, POSEMB, CheckpointError, PretrainedError, square_side
-from keras_vit.checkpoints.formats import read_checkpoint
+from keras_vit.checkpoints.formats import SHARD_INDEX_SUFFIX, read_checkpoint
 from keras_vit.checkpoints.timm_architectures import FEATURES as TIMM_FEATURES
 from keras_vit.checkpoints.timm_architectures import TIMM_ARCHITECTURES
 from keras_vit.layers.core import GELUS
@@ -31,12 +31,15 @@ log = logging.getLogger("keras_vit")
 
 # transformers' `hidden_act` values this model computes.
 TRANSFORMERS_GELU = {
-    "gelu": "exact", "gelu_python": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"
+    "gelu": "exact", "gelu_python": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
+    "quick_gelu": "quick",
 }
 TIMM_GELU = {"gelu": "exact", "gelu_tanh": "tanh", "gelu_pytorch_tanh": "tanh", "quick_gelu": "quick"}
 # The parts of a row of `TIMM_ARCHITECTURES` (its `FEATURES`) that this library builds: the spec's
-# `layer_scale`, `num_registers` and `qkv_bias`, each read from the arrays.
-TIMM_FEATURES_BUILT = frozenset({"layer_scale", "registers", "no_qkv_bias"})
+# `layer_scale`, `num_registers`, `qkv_bias`, `distillation`, `mlp`, `norm`, `patch_norm` and `class_token`, each
+# read from the arrays (the last with the config's global pool).
+TIMM_FEATURES_BUILT = frozenset({"layer_scale", "registers", "no_qkv_bias", "distillation", "swiglu", "rms_norm",
+                                 "patch_norm", "unpooled_class_token"})
 
 
 def timm_refusals(row):
@@ -54,15 +57,28 @@ def timm_refusals(row):
 def read_timm(weights_path, config, preprocessor, label, *, num_heads=None, image_size=None):
     """(spec, arrays) of a timm folder: `config.json` (read as `config`) and its state dict at `weights_path`."""
     heads, options, preprocessing, names, pool, dynamic = _timm_options(config, label)
+    model_args = config.get("model_args") or {}
+    stated = {"hidden_dim": "embed_dim", "num_layers": "depth", "patch_size": "patch_size", "num_channels": "in_chans",
+              "image_size": "img_size", "num_heads": "num_heads"}  # fmt: skip
+    stated = {field: (f"model_args.{key}", model_args[key]) for field, key in stated.items() if key in model_args}
+    if "num_classes" in config:
+        stated["num_classes"] = ("num_classes", config["num_classes"])
     return _read(weights_path, label, num_heads or heads, options, preprocessing, names, pool, dynamic, image_size,
-                 architecture_name=config.get("architecture"))  # fmt: skip
+                 architecture_name=config.get("architecture"), stated=stated)  # fmt: skip
 
 
 def read_transformers(weights_path, config, preprocessor, label, *, num_heads=None, image_size=None):
     """(spec, arrays) of a transformers ViT folder: `config.json`, `preprocessor_config.json` (or None) and the
     state dict at `weights_path`."""
     heads, options, preprocessing, names = _transformers_options(config, preprocessor, label)
-    return _read(weights_path, label, num_heads or heads, options, preprocessing, names, "token", False, image_size)
+    stated = {"hidden_dim": "hidden_size", "num_layers": "num_hidden_layers", "mlp_dim": "intermediate_size",
+              "patch_size": "patch_size", "num_channels": "num_channels", "image_size": "image_size",
+              "num_heads": "num_attention_heads"}  # fmt: skip
+    stated = {field: (key, config[key]) for field, key in stated.items() if key in config}
+    if "num_register_tokens" in config:
+        stated["num_registers"] = ("num_register_tokens", config["num_register_tokens"])
+    return _read(weights_path, label, num_heads or heads, options, preprocessing, names, None, False, image_size,
+                 stated=stated)  # fmt: skip
 
 
 def read_original(weights_path, config, preprocessor, label, *, num_heads=None, image_size=None):
@@ -75,12 +91,19 @@ READERS = {"timm": read_timm, "transformers": read_transformers, "file": read_or
 
 
 def _read(weights_path, label, heads, options, preprocessing, names, pool, dynamic, image_size,
-          architecture_name=None):  # fmt: skip
-    """What the readers share: the arrays read and checked against the config, and the spec they make."""
-    raw, params = _read_weights(weights_path, heads, label, architecture_name)
+          architecture_name=None, stated=None):  # fmt: skip
+    """What the readers share: the arrays read and checked against the config, and the spec they make.
+    `stated`: {build argument: (config.json field, its value)}, each checked against the arrays."""
+    raw, params = _read_weights(weights_path, heads, label, architecture_name, (stated or {}).get("num_heads"))
     arguments = architecture(params)
+    if pool == "avg" and arguments["classifier"] == "token":  # A class token beside a mean that leaves it out.
+        arguments.update(classifier="gap", class_token=True)
+    _check_stated(stated or {}, arguments, params, label)
     _check_pool(pool, arguments["classifier"], label)
     options = dict(options)
+    layer_scale = options.pop("layer_scale", None)  # The config's initial value, where the arrays have scales.
+    if layer_scale is not None and "layer_scale" in arguments:
+        arguments["layer_scale"] = layer_scale
     own_size = options.pop("image_size", None) or _size_from_grid(params, arguments, label)
     size = to_pair(image_size or own_size, "image_size")
     variant = arguments.pop("variant", None) or _variant_name(arguments)
@@ -137,15 +160,23 @@ def architecture(params):
         "pooled_norm": "pooled_norm/scale" in params,
         "position_embedding": "learned" if POSEMB in params else "sincos2d",
         "qkv_bias": block + BLOCK_ATTENTION + "/query/bias" in params,
+        "norm": "layer" if block + "LayerNorm_0/bias" in params else "rms",
+        "patch_norm": "embedding_norm/scale" in params,
+        "mlp": "swiglu" if block + "MlpBlock_3/Gate_0/kernel" in params else "plain",
     }
     if "reg" in params:
         arguments["num_registers"] = int(params["reg"].shape[1])
+    if "dist" in params:
+        arguments["distillation"] = "head" if "head_dist/kernel" in params else "token"
     if block + "LayerScale_0/scale" in params:
         # The initial value matters for training from scratch only; the file's scales are loaded. timm's and
         # DINOv2's usual value, unless the config says another (`_timm_options`).
         arguments["layer_scale"] = 1e-5
     if "cls" in params:
-        arguments["classifier"] = "token"
+        head = params.get("head/kernel")
+        # DINOv2's linear classifier reads the class token and the patches' mean: twice the width.
+        two = head is not None and "pre_logits/kernel" not in params and head.shape[0] == 2 * hidden
+        arguments["classifier"] = "token_gap" if two else "token"
     elif any(key.startswith("MAPHead_0/") for key in params):
         arguments["classifier"] = "map"
     else:
@@ -251,13 +282,15 @@ def _transformers_options(config, preprocessor, path):
         raise PretrainedError(
             f"{path!r}: hidden_act={act!r}; this library computes {sorted(TRANSFORMERS_GELU)} (exact or tanh GELU)."
         )
-    if config.get("qkv_bias", True) is False:
-        raise PretrainedError(f"{path!r}: qkv_bias=false; this library's attention has query, key and value biases.")
+    dinov2 = str(config.get("model_type")).startswith("dinov2")
     options = {
         "gelu": TRANSFORMERS_GELU[act],
-        "layer_norm_epsilon": float(config.get("layer_norm_eps", 1e-12)),
+        # transformers' defaults: 1e-12 for ViT and DeiT, 1e-6 for DINOv2.
+        "layer_norm_epsilon": float(config.get("layer_norm_eps", 1e-6 if dinov2 else 1e-12)),
         "image_size": to_pair(_pair_or_int(config.get("image_size", 224)), "image_size"),
     }
+    if isinstance(config.get("layerscale_value"), (int, float)) and config["layerscale_value"] > 0:
+        options["layer_scale"] = float(config["layerscale_value"])  # DINOv2's initial value, where it has scales.
     preprocessor = preprocessor or {}
     mean = preprocessor.get("image_mean", (0.5, 0.5, 0.5)) if preprocessor.get("do_normalize", True) else (0.0,) * 3
     std = preprocessor.get("image_std", (0.5, 0.5, 0.5)) if preprocessor.get("do_normalize", True) else (1.0,) * 3
@@ -298,17 +331,27 @@ def _transformers_options(config, preprocessor, path):
 # === From the configs to the spec ===
 
 
-def _read_weights(weights_path, heads, label, architecture_name=None):
+def _read_weights(weights_path, heads, label, architecture_name=None, stated_heads=None):
     """(the file's arrays, the same in the original layout): read once, with room for the arrays of any float
-    type (an .npz declaring more is refused unread); `heads` splits a timm or transformers file's attention."""
+    type (an .npz declaring more is refused unread); `heads` splits a timm or transformers file's attention,
+    refused first where it does not divide the width (`stated_heads`: (config field, value), for the message)."""
     import tensorflow as tf
 
-    raw = read_checkpoint(weights_path, max_bytes=8 * tf.io.gfile.stat(weights_path).length + 2**20)
+    sharded = str(weights_path).endswith(SHARD_INDEX_SUFFIX)  # Its shards are .safetensors: nothing inflates.
+    bound = None if sharded else 8 * tf.io.gfile.stat(weights_path).length + 2**20
+    raw = read_checkpoint(weights_path, max_bytes=bound)
     torch_layout = timm.MARKER in raw or transformers.is_transformers(raw)
     if torch_layout and heads is None:
         raise PretrainedError(
             f"{label!r}: the number of attention heads is in no config (timm architecture "
             f"{architecture_name!r}); pass num_heads=."
+        )
+    patches = next((raw[k] for k in raw if k.endswith(timm.MARKER) or k.endswith(transformers.MARKER)), None)
+    if torch_layout and heads and patches is not None and np.ndim(patches) == 4 and np.shape(patches)[0] % heads:
+        field, value = stated_heads or ("num_heads", heads)
+        raise PretrainedError(
+            f"{label!r}: config.json says {field}={value!r}, the arrays hold a width of {np.shape(patches)[0]}, which "
+            "that many heads do not divide (the config contradicts the weights; which one is wrong cannot be told)."
         )
     params, _, _, _ = model_io.to_original_layout(raw, heads or 1)
     if torch_layout and POSEMB not in params:
@@ -316,9 +359,54 @@ def _read_weights(weights_path, heads, label, architecture_name=None):
     return raw, params
 
 
+def _check_stated(stated, arguments, params, label):
+    """A PretrainedError naming `config.json`, the field and both values where the config says another width,
+    depth, MLP width, patch, channel count, image size (its patch grid against the position embeddings'),
+    number of classes, or a head count that does not divide the width, than the arrays hold."""
+    def refuse(field, value, found):
+        raise PretrainedError(
+            f"{label!r}: config.json says {field}={value!r}, the arrays hold {found} (the config contradicts the "
+            "weights; which one is wrong cannot be told)."
+        )
+
+    for argument, (field, value) in stated.items():
+        if argument == "num_heads":
+            if not isinstance(value, int) or value < 1 or arguments["hidden_dim"] % value:
+                refuse(field, value, f"a width of {arguments['hidden_dim']}, which that many heads do not divide")
+            continue
+        if argument == "image_size":
+            if arguments["position_embedding"] != "learned" or value is None:
+                continue
+            try:
+                size = to_pair(_pair_or_int(value), field)
+            except ValueError:
+                refuse(field, value, "a grid of position embeddings")
+            patch = arguments["patch_size"]
+            stride = 1
+            if "variant" in arguments:
+                from keras_vit.resnet import ResNetStem
+
+                stride = ResNetStem.stride(HYBRIDS[arguments["variant"]][1])
+            rows = params[POSEMB].shape[1] - _positioned_prefix(arguments)
+            if size[0] % (patch[0] * stride) or size[1] % (patch[1] * stride) or (
+                    (size[0] // (patch[0] * stride)) * (size[1] // (patch[1] * stride)) != rows):  # fmt: skip
+                refuse(field, value, f"position embeddings for {rows} patches of {patch[0]}x{patch[1]}")
+            continue
+        found = arguments.get(argument, 0 if argument == "num_registers" else None)
+        expected = to_pair(_pair_or_int(value), field) if argument == "patch_size" and value is not None else value
+        if argument == "num_classes" and not value:
+            expected = None
+        if expected != found:
+            what = {"hidden_dim": "a width of {}", "num_layers": "{} blocks", "mlp_dim": "an MLP width of {}",
+                    "patch_size": "patches of {}", "num_channels": "{} input channels",
+                    "num_classes": "a head of {} classes",
+                    "num_registers": "{} register tokens"}[argument].format(found)  # fmt: skip
+            refuse(field, value, what)
+
+
 def _check_pool(pool, classifier, label):
     """A PretrainedError when the config's global pool (None: no config) is not the arrays' `classifier`."""
-    if pool is None:
+    if pool is None or classifier == "token_gap":
         return
     expected = {"token": "token", "avg": "gap", "map": "map"}.get(pool)
     if expected != classifier:
@@ -328,11 +416,17 @@ def _check_pool(pool, classifier, label):
         )
 
 
+def _positioned_prefix(arguments):
+    """The rows of the position embeddings before the patches': the class token's and the distillation token's."""
+    has_class_token = arguments["classifier"] in ("token", "token_gap") or arguments.get("class_token")
+    return int(bool(has_class_token)) + int(arguments.get("distillation") is not None)
+
+
 def _size_from_grid(params, arguments, label):
     """The image size of a checkpoint's square grid of position embeddings (224 for fixed sin-cos ones)."""
     if arguments["position_embedding"] != "learned":
         return (224, 224)
-    side = square_side(params[POSEMB].shape[1] - (arguments["classifier"] == "token"))
+    side = square_side(params[POSEMB].shape[1] - _positioned_prefix(arguments))
     if side is None:
         raise PretrainedError(
             f"{label!r}: the position embeddings ({params[POSEMB].shape[1]} rows) are not a square grid and no "

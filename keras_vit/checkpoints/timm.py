@@ -29,12 +29,22 @@ names and layouts to and from the original checkpoints' (those
   Linear (out, in) -> kernel (in, out);
 - `blocks.{i}.ls1.gamma`, `ls2.gamma` (D,) -> `.../LayerScale_0/scale`,
   `LayerScale_1/scale` (build_vit `layer_scale`);
+- a gated MLP (build_vit `mlp="swiglu"`): `blocks.{i}.mlp.fc1_g.*`, `fc1_x.*`
+  -> `.../MlpBlock_3/Gate_0/*`, `Dense_0/*`; timm's packed form (`GluMlp`,
+  DINOv2 giant: one `mlp.fc1` of twice the rows `mlp.fc2` reads) is split,
+  the gate first;
+- `patch_embed.norm.*` -> `embedding_norm/*` (build_vit `patch_norm`); an
+  RMSNorm (`norm="rms"`) has a `weight` and no `bias`;
+- a projection without a bias where this model has one (AIMv2's `attn.proj`
+  and MLP, a `norm_pre` model's patch embedding) gets a zero bias, with a note;
 - `norm.*` -> `T/encoder_norm/*`;
 - `fc_norm.*` (GAP heads) -> `pooled_norm/*` (build_vit `pooled_norm=True`);
 - `attn_pool.{latent, q, kv, proj, norm, mlp.fc1, mlp.fc2}` ->
   `MAPHead_0/{probe, MultiHeadDotProductAttention_0/{query, key + value, out},
   LayerNorm_0, MlpBlock_0/Dense_0, Dense_1}`;
-- `pre_logits.fc.*`, `head.*` -> `pre_logits/*`, `head/*`: transposed.
+- `pre_logits.fc.*`, `head.*` -> `pre_logits/*`, `head/*`: transposed;
+- DeiT's distilled models: `dist_token` (1, 1, D) -> `dist`, `head_dist.*` -> `head_dist/*` (build_vit
+  `distillation="head"`); their `pos_embed` has rows for both tokens.
 
 Conversion is pure functions on dicts of NumPy arrays (`from_timm`, `to_timm`);
 `keras_vit.checkpoints.formats` reads and writes the `.safetensors` files and
@@ -91,9 +101,11 @@ def _attention(timm, attention):
 RULES = (
     ("cls_token", ("cls",), _SAME),
     ("reg_token", ("reg",), _SAME),
+    ("dist_token", ("dist",), _SAME),
     ("pos_embed", (POSEMB,), _SAME),
     ("patch_embed.proj.weight", ("embedding/kernel",), _CONV),
     ("patch_embed.proj.bias", ("embedding/bias",), _SAME),
+    *_norm("patch_embed.norm", "embedding_norm"),
     *_norm("norm_pre", "pre_norm"),
     *_norm("blocks.{i}.norm1", _BLOCK + "LayerNorm_0"),
     *_projections("blocks.{i}.attn.qkv", _BLOCK_ATTENTION, ("query", "key", "value")),
@@ -104,6 +116,9 @@ RULES = (
     ("blocks.{i}.ls1.gamma", (_BLOCK + "LayerScale_0/scale",), _SAME),
     ("blocks.{i}.ls2.gamma", (_BLOCK + "LayerScale_1/scale",), _SAME),
     *_norm("blocks.{i}.norm2", _BLOCK + "LayerNorm_2"),
+    # A gated MLP's two halves; `to_timm` writes them only where the gate is (else `mlp.fc1`, below).
+    *_linear("blocks.{i}.mlp.fc1_g", _BLOCK + "MlpBlock_3/Gate_0"),
+    *_linear("blocks.{i}.mlp.fc1_x", _BLOCK + "MlpBlock_3/Dense_0"),
     *_linear("blocks.{i}.mlp.fc1", _BLOCK + "MlpBlock_3/Dense_0"),
     *_linear("blocks.{i}.mlp.fc2", _BLOCK + "MlpBlock_3/Dense_1"),
     *_norm("norm", "Transformer/encoder_norm"),
@@ -117,15 +132,17 @@ RULES = (
     *_linear("attn_pool.mlp.fc2", "MAPHead_0/MlpBlock_0/Dense_1"),
     *_linear("pre_logits.fc", "pre_logits"),
     *_linear("head", "head"),
+    *_linear("head_dist", "head_dist"),
 )
 
 # Parts of timm's ViT family this model does not have, by a piece of their keys.
 UNSUPPORTED = {
+    ".attn.norm.": "norms inside the attention and the MLP (timm scale_attn_norm, scale_mlp_norm)",
+    ".mlp.norm.": "norms inside the attention and the MLP (timm scale_attn_norm, scale_mlp_norm)",
+    ".attns.": "parallel blocks (timm ParallelThingsBlock)",
+    ".in_proj.": "parallel blocks with fused projections (timm ParallelScalingBlock)",
     "q_norm": "query-key normalisation (timm qk_norm)",
     "k_norm": "query-key normalisation (timm qk_norm)",
-    "patch_embed.norm": "a norm in the patch embedding",
-    "dist_token": "DeiT's distillation token",
-    "head_dist": "DeiT's distillation head",
 }
 
 
@@ -212,7 +229,8 @@ def from_timm(state_dict, num_heads, grid_size=None):
         CheckpointError naming the timm keys this model has no place for, a key
         of an unexpected shape, or a key its other keys need.
     """
-    params, notes, unknown = {}, [], []
+    state_dict, notes = _unpacked(dict(state_dict))
+    params, unknown = {}, []
     for key, value in state_dict.items():
         rule = next(((match, rule) for pattern, rule in _TIMM_PATTERNS if (match := pattern.match(key))), None)
         if rule is None:
@@ -228,17 +246,28 @@ def from_timm(state_dict, num_heads, grid_size=None):
         raise CheckpointError(
             f"The timm state dict has {len(unknown)} key(s) this model has no place for, e.g. {sorted(unknown)[:5]}"
             + (f": {', '.join(features)}" if features else "")
-            + ". Supported: timm's VisionTransformer with or without a class token, register tokens, learned "
-            "position embeddings, norm_pre, layer scale, fc_norm, a MAP head (attn_pool) and a linear head."
+            + ". Supported: timm's VisionTransformer with or without a class token, a distillation token, "
+            "register tokens, learned position embeddings, norm_pre, layer scale, fc_norm, a MAP head (attn_pool) "
+            "and linear heads."
         )
     if "embedding/bias" not in params and "pre_norm/scale" in params and "embedding/kernel" in params:
         # timm builds the patch embedding without a bias where it has norm_pre (CLIP's layout).
         params["embedding/bias"] = np.zeros(params["embedding/kernel"].shape[-1], params["embedding/kernel"].dtype)
         notes.append("The timm file's patch embedding has no bias (norm_pre models): a zero bias set.")
+    projections = [key for key in params if re.search(r"^Transformer/.*/(out|Dense_[01]|Gate_0)/kernel$", key)]
+    unbiased = [key for key in projections if key[: -len("kernel")] + "bias" not in params]
+    if len(unbiased) < len(projections):  # Some have biases: a missing one is missing, and is named below.
+        unbiased = []
+    for key in unbiased:  # The same function as no bias: AIMv2's attention outputs and MLPs.
+        kernel = params[key]
+        params[key[: -len("kernel")] + "bias"] = np.zeros(kernel.shape[-1], kernel.dtype)
+    if unbiased:
+        notes.append(f"The timm file's {len(unbiased)} projection(s) without a bias (e.g. {timm_key(unbiased[0])}): "
+                     "zero biases set.")  # fmt: skip
     patches = None if grid_size is None else grid_size[0] * grid_size[1]
     if "reg" in params and POSEMB in params:
         _fold_register_positions(params, patches)
-    if "cls" in params and POSEMB in params:
+    if "cls" in params and "dist" not in params and POSEMB in params:  # timm's distilled DeiTs have both rows.
         rows = params[POSEMB].shape[1]
         if patches is not None and rows in (patches, patches + 1):
             with_row = rows == patches + 1
@@ -248,6 +277,28 @@ def from_timm(state_dict, num_heads, grid_size=None):
             # timm's no_embed_class: the class token has no position, i.e. a zero row.
             params[POSEMB] = np.concatenate([np.zeros_like(params[POSEMB][:, :1]), params[POSEMB]], axis=1)
     return params, notes
+
+
+def _unpacked(state_dict):
+    """(timm's state dict with each packed gated MLP split, notes): a block whose `mlp.fc1` has twice the rows
+    `mlp.fc2` reads is timm's `GluMlp` (SwiGLUPacked), act(first half) * second half: `mlp.fc1_g` and
+    `mlp.fc1_x`, as timm's `SwiGLU` names them."""
+    notes = []
+    for key in [k for k in state_dict if re.match(r"^blocks\.\d+\.mlp\.fc1\.weight$", k)]:
+        block = key[: -len("fc1.weight")]
+        fc2 = state_dict.get(block + "fc2.weight")
+        fc1 = np.asarray(state_dict[key])
+        if fc2 is None or fc1.ndim != 2 or np.shape(fc2)[-1] * 2 != fc1.shape[0]:
+            continue
+        for kind in ("weight", "bias"):
+            packed = state_dict.pop(block + f"fc1.{kind}", None)
+            if packed is not None:
+                gate, values = np.split(np.asarray(packed), 2, axis=0)
+                state_dict[block + f"fc1_g.{kind}"], state_dict[block + f"fc1_x.{kind}"] = gate, values
+        if not notes:
+            notes.append("The timm file's packed gated MLPs (mlp.fc1 of twice the hidden width) split into the gate "
+                         "and the values.")  # fmt: skip
+    return state_dict, notes
 
 
 def _fold_register_positions(params, patches):
@@ -293,6 +344,9 @@ def to_timm(params):
             keys = [original.replace("{i}", index) for original in originals]
             if any(k in written or k not in params for k in keys):
                 continue
+            gated = keys[0].replace("/Dense_0/", "/Gate_0/") in params
+            if timm.startswith("blocks.{i}.mlp.fc1_x") and not gated:
+                continue  # A plain MLP's first layer: `mlp.fc1`.
             value = _to_timm_layout([params[k] for k in keys], layout)
             state_dict[timm.replace("{i}", index)] = np.ascontiguousarray(value)
             written.update(keys)

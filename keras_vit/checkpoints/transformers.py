@@ -18,6 +18,15 @@ timm's then takes them to the original checkpoints' names.  transformers' key (a
   representation layer, the same function: build_vit `representation_size`);
 - `classifier.*` (not under `vit.`) -> `head.*`.
 
+DeiT (`model_type` "deit", backbone under `deit.`) adds `embeddings.distillation_token` -> `dist_token` (its
+position embeddings have a row for it), and `DeiTForImageClassificationWithTeacher`'s `cls_classifier.*`,
+`distillation_classifier.*` -> `head.*`, `head_dist.*`.  DINOv2 (`dinov2`, `dinov2_with_registers`, under
+`dinov2.`) names its blocks' norms `norm1`, `norm2`, its MLP `mlp.fc1`, `mlp.fc2`, adds
+`layer_scale1.lambda1`, `layer_scale2.lambda1` -> `ls1.gamma`, `ls2.gamma` and `embeddings.register_tokens` ->
+`reg_token`, and a gated MLP's `mlp.weights_in`, `mlp.weights_out` -> `mlp.fc1`, `mlp.fc2` (packed, as timm's
+`GluMlp`); `Dinov2ForImageClassification`'s `classifier` reads the class token and the mean of the patch
+tokens, concatenated (build_vit `classifier="token_gap"`).
+
 `embeddings.mask_token` (used only by masked image modelling) is dropped with a note.  transformers computes
 its LayerNorms with `config.layer_norm_eps` (1e-12 in the `google/vit-*` configs): build_vit's
 `layer_norm_epsilon` (`keras_vit.from_pretrained` reads it from the config).
@@ -34,6 +43,8 @@ from keras_vit.checkpoints.base import CheckpointError
 MARKER = "embeddings.patch_embeddings.projection.weight"
 # Where `ViTForImageClassification` keeps the backbone; `ViTModel` has no prefix.
 BACKBONE = "vit."
+# The backbones' prefixes of the model types read (DeiT's and DINOv2's classification models).
+BACKBONES = (BACKBONE, "deit.", "dinov2.", "dinov2_with_registers.")
 HEAD = "classifier."
 
 # (transformers key without BACKBONE, timm key); "{i}" stands for a block's index; ".*" for weight and bias.
@@ -53,7 +64,23 @@ RENAMES = (
     ("layernorm.*", "norm.*"),
     ("pooler.dense.*", "pre_logits.fc.*"),
     (HEAD + "*", "head.*"),
+    # DeiT
+    ("embeddings.distillation_token", "dist_token"),
+    ("cls_classifier.*", "head.*"),
+    ("distillation_classifier.*", "head_dist.*"),
+    # DINOv2
+    ("embeddings.register_tokens", "reg_token"),
+    (_LAYER + "norm1.*", "blocks.{i}.norm1.*"),
+    (_LAYER + "norm2.*", "blocks.{i}.norm2.*"),
+    (_LAYER + "mlp.fc1.*", "blocks.{i}.mlp.fc1.*"),
+    (_LAYER + "mlp.fc2.*", "blocks.{i}.mlp.fc2.*"),
+    (_LAYER + "layer_scale1.lambda1", "blocks.{i}.ls1.gamma"),
+    (_LAYER + "layer_scale2.lambda1", "blocks.{i}.ls2.gamma"),
+    (_LAYER + "mlp.weights_in.*", "blocks.{i}.mlp.fc1.*"),  # DINOv2 giant's SwiGLU, packed as timm's GluMlp
+    (_LAYER + "mlp.weights_out.*", "blocks.{i}.mlp.fc2.*"),
 )
+# The heads outside the backbone.
+HEADS = (HEAD, "cls_classifier.", "distillation_classifier.")
 DROPPED = ("embeddings.mask_token",)
 
 
@@ -76,8 +103,13 @@ _FROM_TIMM = [(_pattern(timm), ours) for ours, timm in _expanded()]
 
 
 def is_transformers(state_dict):
-    """Whether `state_dict` is a transformers ViT's (`ViTModel` or `ViTForImageClassification`)."""
-    return MARKER in state_dict or BACKBONE + MARKER in state_dict
+    """Whether `state_dict` is a transformers ViT's (`ViTModel`, `ViTForImageClassification`, DeiT's, DINOv2's)."""
+    return any(prefix + MARKER in state_dict for prefix in ("", *BACKBONES))
+
+
+def _backbone_name(key):
+    """`key` without its backbone prefix (`vit.`, `deit.`, `dinov2.`)."""
+    return next((key[len(prefix):] for prefix in BACKBONES if key.startswith(prefix)), key)
 
 
 def _rename(key, patterns):
@@ -93,7 +125,7 @@ def transformers_key(key):
     name = _rename(timm_layout.timm_key(key), _FROM_TIMM)
     if name is None:
         return key
-    return name if name.startswith(HEAD) else BACKBONE + name
+    return name if name.startswith(HEADS) else BACKBONE + name
 
 
 def from_transformers(state_dict):
@@ -105,7 +137,7 @@ def from_transformers(state_dict):
     """
     converted, notes, unknown = {}, [], []
     for key, value in state_dict.items():
-        name = key[len(BACKBONE):] if key.startswith(BACKBONE) else key
+        name = _backbone_name(key)
         if name in DROPPED:
             notes.append(f"Dropped {key!r}: masked image modelling only.")
             continue
@@ -118,7 +150,7 @@ def from_transformers(state_dict):
         raise CheckpointError(
             f"The transformers state dict has {len(unknown)} key(s) this model has no place for, e.g. "
             f"{sorted(unknown)[:5]}. Supported: ViTModel and ViTForImageClassification (learned position "
-            "embeddings, class token, optional pooler, linear classifier)."
+            "embeddings, class token, optional pooler, linear classifier), DeiT's and DINOv2's."
         )
     return converted, notes
 
@@ -149,7 +181,7 @@ def to_transformers(timm_state_dict, *, prefix=BACKBONE):
         name = _rename(key, _FROM_TIMM)
         if name is None:
             unknown.append(key)
-        elif name.startswith(HEAD):
+        elif name.startswith(HEADS):
             if prefix:
                 state_dict[name] = np.ascontiguousarray(value)
         else:
