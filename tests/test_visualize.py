@@ -384,3 +384,28 @@ def test_docstring_examples(module):
 
     result = doctest.testmod(importlib.import_module(module), verbose=False)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("options", [dict(num_registers=2), dict(distillation="token"),
+                                     dict(num_registers=3, classifier="gap")], ids=["registers", "distilled", "gap"])
+def test_the_figures_read_the_patch_tokens_behind_register_and_distillation_tokens(tmp_path, options):
+    """With tokens before the patches (registers, DeiT's distillation token), the maps, distances and position
+    similarities are those of the patches: the same numbers as computed by hand from the attention with the extra
+    tokens left out."""
+    model = small_vit(**options)
+    images = random_images((2, 8, 12, 3))
+    encoder = model.get_layer("patch_encoder")
+    prefix, positioned = encoder.num_prefix_tokens, encoder.num_positioned_prefix
+    attentions = visualize.attention_weights(model, images)
+    assert attentions.shape[-1] == 6 + prefix
+    np.testing.assert_allclose(
+        visualize.mean_attention_distance(model, images),
+        visualize.mean_distance(attentions[..., prefix:, prefix:], (2, 3), (4, 4), False), atol=1e-12,
+    )
+    posemb = encoder.position_embedding.numpy()[0, positioned:]
+    unit = posemb / np.linalg.norm(posemb, axis=-1, keepdims=True)
+    np.testing.assert_allclose(visualize.position_embedding_similarity(model).reshape(6, 6), unit @ unit.T, atol=1e-6)
+    assert visualize.patch_sequence(model, images[0]).positions.tolist() == list(range(positioned, positioned + 6))
+    maps = visualize.attention_rollout(model, images)
+    assert maps.shape == (2, 8, 12) and np.isclose(maps.max(), 1.0, atol=1e-3)
+    assert len(visualize.write_figures(model, images[0], tmp_path)) == 6

@@ -110,6 +110,13 @@ def patch_layout(model):
     return encoder.grid_size, patch, encoder.use_class_token
 
 
+def prefix_tokens(model):
+    """(tokens before the patches' in the sequence the blocks read, those of them with a position embedding):
+    the class and distillation tokens have positions, register tokens (after them) none."""
+    encoder = patch_encoder(model)
+    return encoder.num_prefix_tokens, encoder.num_positioned_prefix
+
+
 # === Attention rollout ===
 
 
@@ -177,11 +184,12 @@ def attention_rollout(model, images, *, head_fusion="mean", discard_ratio=0.0):
     """
     images = check_images(model, images)
     (gh, gw), _, has_class_token = patch_layout(model)
+    prefix, _ = prefix_tokens(model)
     joint = rollout(attention_weights(model, images), head_fusion, discard_ratio, has_class_token)
     if has_class_token:
-        maps = joint[:, 0, 1:]
-    else:
-        maps = joint.mean(axis=1)
+        maps = joint[:, 0, prefix:]
+    else:  # The patches' rows (registers, first, are not pooled), over the patches.
+        maps = joint[:, prefix:, prefix:].mean(axis=1)
     maps = maps.reshape(-1, gh, gw)
     maps = maps / np.maximum(maps.max(axis=(1, 2), keepdims=True), 1e-12)
     height, width = images.shape[1:3]
@@ -209,10 +217,13 @@ def mean_distance(attentions, grid_size, patch_size, has_class_token):
     centre and the key patches' centres; averaged over query patches and
     images.  The class token has no position: its row and column are left out,
     and the remaining weights of each row are renormalised over the patches.
+    `has_class_token` may also be the number of tokens before the patches
+    (class, distillation and register tokens), all left out.
     """
     attentions = np.asarray(attentions, np.float64)
-    if has_class_token:
-        attentions = attentions[..., 1:, 1:]
+    prefix = int(has_class_token)
+    if prefix:
+        attentions = attentions[..., prefix:, prefix:]
     distances = patch_distances(grid_size, patch_size)
     if attentions.shape[-1] != distances.shape[0]:
         raise ValueError(
@@ -225,8 +236,8 @@ def mean_distance(attentions, grid_size, patch_size, has_class_token):
 
 def mean_attention_distance(model, images):
     """Mean attention distance in pixels, [layers, heads] (paper Figure 7, right)."""
-    grid_size, patch_size, has_class_token = patch_layout(model)
-    return mean_distance(attention_weights(model, images), grid_size, patch_size, has_class_token)
+    grid_size, patch_size, _ = patch_layout(model)
+    return mean_distance(attention_weights(model, images), grid_size, patch_size, prefix_tokens(model)[0])
 
 
 # === Embeddings ===
@@ -239,9 +250,9 @@ def position_embedding_similarity(model):
     similarity of patch (i, j)'s embedding with patch (k, l)'s (paper
     Figure 7, centre).  The class token's embedding is left out.
     """
-    (gh, gw), _, has_class_token = patch_layout(model)
+    (gh, gw), _, _ = patch_layout(model)
     posemb = keras.ops.convert_to_numpy(patch_encoder(model).position_embedding)[0]
-    posemb = posemb[1:] if has_class_token else posemb
+    posemb = posemb[prefix_tokens(model)[1]:]  # Without the class (and distillation) token's rows.
     posemb = posemb.astype(np.float64)
     unit = posemb / np.maximum(np.linalg.norm(posemb, axis=-1, keepdims=True), 1e-12)
     return (unit @ unit.T).reshape(gh, gw, gh, gw)
@@ -400,5 +411,7 @@ def patch_sequence(model_or_patch_size, image, *, class_token=None):
     tops, lefts = rows.ravel() * ph, cols.ravel() * pw
     boxes = np.stack([tops, lefts, tops + ph, lefts + pw], axis=1)
     patches = np.stack([image[top:bottom, left:right] for top, left, bottom, right in boxes])
-    positions = np.arange(gh * gw) + int(has_class_token)
+    positioned = prefix_tokens(model_or_patch_size)[1] if isinstance(model_or_patch_size, keras.Model) else int(
+        has_class_token)  # fmt: skip
+    positions = np.arange(gh * gw) + positioned
     return PatchSequence(patches, boxes, positions, tuple(grid_size), tuple(patch_size), has_class_token)

@@ -22,6 +22,7 @@ from keras_vit.visualize.analysis import (
     patch_layout,
     patch_sequence,
     position_embedding_similarity,
+    prefix_tokens,
     resnet_stride,
 )
 
@@ -78,11 +79,13 @@ def plot_attention_rollout(image, attention_map, path):
     return save_figure(fig, path)
 
 
-def plot_head_attention(image, attentions, grid_size, has_class_token, path):
+def plot_head_attention(image, attentions, grid_size, has_class_token, path, prefix=None):
     """Per-head attention of the last layer, from the class token (or averaged over queries).
 
-    `attentions` is one image's last-layer attention, [heads, tokens, tokens].
+    `attentions` is one image's last-layer attention, [heads, tokens, tokens]; `prefix`: the tokens before the
+    patches' (default: the class token if any).
     """
+    prefix = int(has_class_token) if prefix is None else prefix
     plt = pyplot()
     heads = attentions.shape[0]
     cols = min(heads, 6)
@@ -93,7 +96,7 @@ def plot_head_attention(image, attentions, grid_size, has_class_token, path):
     axes[0, 0].imshow(_display_image(image), cmap="gray")
     axes[0, 0].set_title("image")
     for h in range(heads):
-        maps = attentions[h, 0, 1:] if has_class_token else attentions[h].mean(axis=0)
+        maps = attentions[h, 0, prefix:] if has_class_token else attentions[h, prefix:, prefix:].mean(axis=0)
         ax = axes[1 + h // cols, h % cols]
         ax.imshow(maps.reshape(grid_size), cmap="inferno")
         ax.set_title(f"head {h}")
@@ -269,6 +272,7 @@ def write_figures(model, image, out_dir, *, prefix=""):
     tf.io.gfile.makedirs(str(out_dir))
     image = check_images(model, image)[:1]
     grid_size, patch_size, has_class_token = patch_layout(model)
+    tokens_before, _ = prefix_tokens(model)
     attentions = attention_weights(model, image)
 
     def join(name):
@@ -278,9 +282,10 @@ def write_figures(model, image, out_dir, *, prefix=""):
     paths = [
         plot_patch_grid(image[0], patch_sequence(model, image), join("patch_grid.png")),
         plot_attention_rollout(image[0], attention_rollout(model, image)[0], join("attention_rollout.png")),
-        plot_head_attention(image[0], attentions[-1, 0], grid_size, has_class_token, join("head_attention.png")),
+        plot_head_attention(image[0], attentions[-1, 0], grid_size, has_class_token, join("head_attention.png"),
+                            prefix=tokens_before),  # fmt: skip
         plot_mean_distance(
-            mean_distance(attentions, grid_size, patch_size, has_class_token),
+            mean_distance(attentions, grid_size, patch_size, tokens_before),
             join("mean_attention_distance.png"),
             image_size=(height, width),
         ),
