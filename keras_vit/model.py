@@ -88,6 +88,8 @@ def build_vit(
     patch_norm=False,
     mlp="plain",
     class_token=None,
+    sub_norms=False,
+    parallel=1,
     preprocessing=None,
     class_names=None,
     name=None,
@@ -166,6 +168,11 @@ def build_vit(
         class_token: None (as `classifier` says), or True with classifier
             "gap": a class token the mean leaves out (timm's BEiT-3 and EVA
             layouts with `global_pool="avg"`).
+        sub_norms: norms inside each attention (of its output, before the
+            output projection) and MLP (of its hidden units): BEiT-3's sub-LN.
+        parallel: branches per block: 2 or more sums that many attentions,
+            then that many MLPs, each with its own norm (Touvron et al. 2022,
+            "Three things everyone should know about Vision Transformers").
         preprocessing: a `keras_vit.Preprocessing` for photos of any size
             (evaluation and `serving_bytes`), kept by the model; its crop is
             `image_size`, its mean and std the model's.  None: the shorter
@@ -214,6 +221,8 @@ def build_vit(
         patch_norm=patch_norm,
         mlp=mlp,
         class_token=class_token,
+        sub_norms=sub_norms,
+        parallel=parallel,
         preprocessing=preprocessing,
         class_names=class_names,
         **overrides,
@@ -423,6 +432,8 @@ def _graph(spec, dtype=None, shared=None):
             **({} if spec.qkv_bias else {"qkv_bias": False}),
             norm=spec.norm,
             mlp=spec.mlp,
+            sub_norms=spec.sub_norms,
+            parallel=spec.parallel,
             **policy,
         )(x)
     if not spec.pooled_norm:

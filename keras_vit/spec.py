@@ -83,7 +83,8 @@ class ViTSpec:
         stochastic_depth_rate, include_rescaling, head_kernel_initializer,
         patch_projection, gelu, position_embedding, pre_norm, pooled_norm,
         layer_norm_epsilon, layer_scale, num_registers, qkv_bias,
-        distillation, norm, patch_norm, mlp, class_token.
+        distillation, norm, patch_norm, mlp, class_token, sub_norms,
+        parallel.
 
     Input:
         pixel_mean, pixel_std: per-channel statistics of pixels in [0, 1]
@@ -131,6 +132,8 @@ class ViTSpec:
     patch_norm: bool = False
     mlp: str = "plain"
     class_token: bool = None
+    sub_norms: bool = False
+    parallel: int = 1
     preprocessing: Preprocessing = None
     class_names: tuple = None
 
@@ -153,8 +156,10 @@ class ViTSpec:
             )
         if isinstance(self.include_rescaling, (int, np.integer, np.bool_)) and self.include_rescaling in (0, 1):
             store("include_rescaling", bool(self.include_rescaling))  # As build_vit took it: 1, np.True_.
-        for name in ("dynamic_image_size", "include_rescaling", "pre_norm", "pooled_norm", "qkv_bias", "patch_norm"):
+        for name in ("dynamic_image_size", "include_rescaling", "pre_norm", "pooled_norm", "qkv_bias", "patch_norm",
+                     "sub_norms"):  # fmt: skip
             _check_bool(name, getattr(self, name))
+        store("parallel", check_positive_int("parallel", self.parallel))
         check_norm(self.norm)
         if self.mlp not in MLPS:
             raise ValueError(f"`mlp` must be one of {MLPS}. Received: mlp={self.mlp!r}")

@@ -48,6 +48,34 @@ def _norm_params(p, key, norm):
         p[key + "/scale"] = norm.scale.numpy()
 
 
+def _branch_params(p, pre, branch):
+    """One attention and MLP (a block, or a parallel block's branch) into `p` under `pre`."""
+    att = branch.attention
+    dim, heads = att.qkv_kernel.shape[0], att.num_heads
+    qkv_kernel = att.qkv_kernel.numpy().reshape(dim, 3, heads, dim // heads)
+    qkv_bias = None if att.qkv_bias is None else att.qkv_bias.numpy().reshape(3, heads, dim // heads)
+    for j, name in enumerate(("query", "key", "value")):
+        p[pre + f"{name}/kernel"] = qkv_kernel[:, j]
+        if qkv_bias is not None:
+            p[pre + f"{name}/bias"] = qkv_bias[j]
+    if branch.attention_scale is not None:
+        p[pre + "attention_scale"] = branch.attention_scale.numpy()
+        p[pre + "mlp_scale"] = branch.mlp_scale.numpy()
+    p[pre + "out/kernel"] = att.output_kernel.numpy().reshape(heads, dim // heads, dim)
+    p[pre + "out/bias"] = att.output_bias.numpy()
+    if getattr(att, "norm", None) is not None:
+        _norm_params(p, pre + "attention_sub_norm", att.norm)
+    for ours, theirs in (("attention_norm", "LayerNorm_0"), ("mlp_norm", "LayerNorm_2"),
+                         ("mlp_sub_norm", "mlp_sub_norm")):  # fmt: skip
+        if getattr(branch, ours, None) is not None:
+            _norm_params(p, pre + theirs, getattr(branch, ours))
+    for ours, theirs in (("mlp_dense_1", "Dense_0"), ("mlp_dense_2", "Dense_1"), ("mlp_gate", "Gate_0")):
+        dense = getattr(branch, ours, None)
+        if dense is not None:
+            p[pre + theirs + "/kernel"] = dense.kernel.numpy()
+            p[pre + theirs + "/bias"] = dense.bias.numpy()
+
+
 def params_from_model(model):
     """The model's weights as float64 arrays in the original checkpoint naming."""
     p = {}
@@ -69,28 +97,10 @@ def params_from_model(model):
             block = model.get_layer(f"encoderblock_{i}")
         except ValueError:
             break
-        pre = f"encoderblock_{i}/"
-        att = block.attention
-        dim, heads = att.qkv_kernel.shape[0], att.num_heads
-        qkv_kernel = att.qkv_kernel.numpy().reshape(dim, 3, heads, dim // heads)
-        qkv_bias = None if att.qkv_bias is None else att.qkv_bias.numpy().reshape(3, heads, dim // heads)
-        for j, name in enumerate(("query", "key", "value")):
-            p[pre + f"{name}/kernel"] = qkv_kernel[:, j]
-            if qkv_bias is not None:
-                p[pre + f"{name}/bias"] = qkv_bias[j]
-        if block.attention_scale is not None:
-            p[pre + "attention_scale"] = block.attention_scale.numpy()
-            p[pre + "mlp_scale"] = block.mlp_scale.numpy()
-        p[pre + "out/kernel"] = att.output_kernel.numpy().reshape(heads, dim // heads, dim)
-        p[pre + "out/bias"] = att.output_bias.numpy()
-        for ours, theirs in (("attention_norm", "LayerNorm_0"), ("mlp_norm", "LayerNorm_2")):
-            _norm_params(p, pre + theirs, getattr(block, ours))
-        for ours, theirs in (("mlp_dense_1", "Dense_0"), ("mlp_dense_2", "Dense_1"), ("mlp_gate", "Gate_0")):
-            dense = getattr(block, ours, None)
-            if dense is None:
-                continue
-            p[pre + theirs + "/kernel"] = dense.kernel.numpy()
-            p[pre + theirs + "/bias"] = dense.bias.numpy()
+        # A parallel block's branch j >= 1 is read as a block of its own, `encoderblock_{i}_{j}/`.
+        branches = block._branches() if hasattr(block, "_branches") else [block]
+        for j, branch in enumerate(branches):
+            _branch_params(p, f"encoderblock_{i}/" if j == 0 else f"encoderblock_{i}_{j}/", branch)
         i += 1
     _norm_params(p, "encoder_norm", model.get_layer("encoder_norm"))
     for name in ("pre_logits", "head", "head_distillation"):
@@ -114,7 +124,11 @@ def vit_forward(params, num_layers, images, classifier="token", rescale=True, at
 
     Options, by the params present: norms without a bias are RMSNorms;
     `embedding_norm/*`, a norm of the patch embeddings; a block's `Gate_0/*`,
-    a SiLU-gated MLP; `registers` (1, R, D), tokens placed
+    a SiLU-gated MLP; `attention_sub_norm/*` and `mlp_sub_norm/*`, BEiT-3's
+    sub-LN (Wang et al. 2022) of the heads' output and of the MLP's hidden
+    units; `encoderblock_{i}_{j}/*`, branch j of a parallel block i (Touvron
+    et al. 2022, "Three things everyone should know about Vision
+    Transformers"); `registers` (1, R, D), tokens placed
     after the class token once the positions are added (Darcet et al. 2023),
     left out of "gap"'s mean; `dist` (1, 1, D), DeiT's distillation token
     after the class token, with its own position row (Touvron et al. 2021,
@@ -152,32 +166,45 @@ def vit_forward(params, num_layers, images, classifier="token", rescale=True, at
     if registers is not None:
         z = np.concatenate([z[:, :prefix], np.repeat(registers, batch, axis=0), z[:, prefix:]], axis=1)
     for i in range(num_layers):
-        pre = f"encoderblock_{i}/"
+        # A parallel block (Touvron et al. 2022): each step sums its branches' attentions, then MLPs.
+        branches = [f"encoderblock_{i}/"] + [f"encoderblock_{i}_{j}/" for j in range(1, 64)
+                                              if f"encoderblock_{i}_{j}/query/kernel" in params]  # fmt: skip
         # Eq. 2: z' = MSA(LN(z)) + z.
-        y = layer_norm(z, params[pre + "LayerNorm_0/scale"], params.get(pre + "LayerNorm_0/bias"), eps)
-        heads = params[pre + "query/kernel"].shape[1]
-        out = np.zeros_like(z)
-        layer_attention = []
-        for h in range(heads):
-            q, k, v = (
-                y @ params[pre + f"{name}/kernel"][:, h] + (params[pre + f"{name}/bias"][h]
-                                                            if pre + f"{name}/bias" in params else 0.0)
-                for name in ("query", "key", "value")
-            )
-            a = softmax(q @ k.transpose(0, 2, 1) / math.sqrt(q.shape[-1]))
-            out += (a @ v) @ params[pre + "out/kernel"][h]
-            layer_attention.append(a)
+        layer_attention, attended = [], z
+        for pre in branches:
+            y = layer_norm(z, params[pre + "LayerNorm_0/scale"], params.get(pre + "LayerNorm_0/bias"), eps)
+            heads = params[pre + "query/kernel"].shape[1]
+            out = []
+            for h in range(heads):
+                q, k, v = (
+                    y @ params[pre + f"{name}/kernel"][:, h] + (params[pre + f"{name}/bias"][h]
+                                                                if pre + f"{name}/bias" in params else 0.0)
+                    for name in ("query", "key", "value")
+                )
+                a = softmax(q @ k.transpose(0, 2, 1) / math.sqrt(q.shape[-1]))
+                out.append(a @ v)
+                layer_attention.append(a)
+            heads_out = np.concatenate(out, axis=-1)  # The heads side by side: [A_1 v_1, ..., A_k v_k].
+            if pre + "attention_sub_norm/scale" in params:  # BEiT-3's sub-LN, before the output projection.
+                heads_out = layer_norm(heads_out, params[pre + "attention_sub_norm/scale"],
+                                       params.get(pre + "attention_sub_norm/bias"), eps)  # fmt: skip
+            out = heads_out @ params[pre + "out/kernel"].reshape(-1, z.shape[-1])
+            attended = attended + (out + params[pre + "out/bias"]) * params.get(pre + "attention_scale", 1.0)
         if attention is not None:
             attention.append(np.stack(layer_attention, axis=1))
-        z = z + (out + params[pre + "out/bias"]) * params.get(pre + "attention_scale", 1.0)
         # Eq. 3: z = MLP(LN(z')) + z'.
-        y = layer_norm(z, params[pre + "LayerNorm_2/scale"], params.get(pre + "LayerNorm_2/bias"), eps)
-        if pre + "Gate_0/kernel" in params:  # SwiGLU (Shazeer 2020, eq. 6): SiLU(y W_gate) * (y W).
-            gate = y @ params[pre + "Gate_0/kernel"] + params[pre + "Gate_0/bias"]
-            y = gate / (1.0 + np.exp(-gate)) * (y @ params[pre + "Dense_0/kernel"] + params[pre + "Dense_0/bias"])
-        else:
-            y = activation(y @ params[pre + "Dense_0/kernel"] + params[pre + "Dense_0/bias"])
-        z = z + (y @ params[pre + "Dense_1/kernel"] + params[pre + "Dense_1/bias"]) * params.get(pre + "mlp_scale", 1.0)
+        z, x = attended, attended
+        for pre in branches:
+            y = layer_norm(x, params[pre + "LayerNorm_2/scale"], params.get(pre + "LayerNorm_2/bias"), eps)
+            if pre + "Gate_0/kernel" in params:  # SwiGLU (Shazeer 2020, eq. 6): SiLU(y W_gate) * (y W).
+                gate = y @ params[pre + "Gate_0/kernel"] + params[pre + "Gate_0/bias"]
+                y = gate / (1.0 + np.exp(-gate)) * (y @ params[pre + "Dense_0/kernel"] + params[pre + "Dense_0/bias"])
+            else:
+                y = activation(y @ params[pre + "Dense_0/kernel"] + params[pre + "Dense_0/bias"])
+            if pre + "mlp_sub_norm/scale" in params:  # Sub-LN of the hidden units.
+                y = layer_norm(y, params[pre + "mlp_sub_norm/scale"], params.get(pre + "mlp_sub_norm/bias"), eps)
+            z = z + (y @ params[pre + "Dense_1/kernel"] + params[pre + "Dense_1/bias"]) * params.get(pre + "mlp_scale",
+                                                                                                      1.0)  # fmt: skip
     # Eq. 4: y = LN(z_L^0) (or the mean of the tokens for "gap").
     z = layer_norm(z, params["encoder_norm/scale"], params.get("encoder_norm/bias"), eps)
     skip = prefix + (0 if registers is None else registers.shape[1])

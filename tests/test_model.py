@@ -1,4 +1,5 @@
 import json
+import re
 
 import keras
 import numpy as np
@@ -72,6 +73,9 @@ FAMILY_OPTIONS = {
     "swiglu": dict(mlp="swiglu"),
     "aimv2": dict(norm="rms", patch_norm=True, mlp="swiglu", qkv_bias=False, classifier="gap"),
     "unpooled_class_token": dict(classifier="gap", class_token=True),
+    "sub_norms": dict(sub_norms=True),
+    "parallel": dict(parallel=2, layer_scale=1e-5),
+    "beit3": dict(sub_norms=True, classifier="gap", class_token=True),
 }
 
 
@@ -91,7 +95,8 @@ def test_family_options_match_the_numpy_reference_and_survive_saving(name, tmp_p
     assert np.ptp(expected, axis=0).max() > 0.1
     # Without the option (the options' own weights dropped, the rest kept): other logits.
     plain = {k: v for k, v in params.items() if not k.endswith(("_scale", "registers", "dist", "cls"))
-             and not k.startswith(("head_distillation", "embedding_norm")) and "Gate_0" not in k}  # fmt: skip
+             and not k.startswith(("head_distillation", "embedding_norm")) and "Gate_0" not in k
+             and "sub_norm" not in k and not re.match(r"encoderblock_\d+_\d+/", k)}  # fmt: skip
     for key in [k for k in plain if k.endswith("/scale") and k[: -len("scale")] + "bias" not in plain]:
         plain[key[: -len("scale")] + "bias"] = np.zeros_like(plain[key])  # RMSNorm -> LayerNorm
     if "dist" in params:  # Without the token: its position row goes too.
@@ -125,6 +130,10 @@ def test_family_options_have_their_parameter_counts_and_the_defaults_build_as_be
     assert small_vit(norm="rms").count_params() == base.count_params() - dim * (2 * layers + 1)
     assert small_vit(mlp="swiglu").count_params() == base.count_params() + layers * (dim + 1) * SMALL["mlp_dim"]
     assert small_vit(patch_norm=True).count_params() == base.count_params() + 2 * dim
+    # Sub-LN: a norm of D and one of the MLP's width per block; parallel=2: each block's weights twice.
+    assert small_vit(sub_norms=True).count_params() == base.count_params() + 2 * layers * (dim + SMALL["mlp_dim"])
+    blocks = sum(base.get_layer(f"encoderblock_{i}").count_params() for i in range(layers))
+    assert small_vit(parallel=2).count_params() == base.count_params() + blocks
     # The token and its position row; with "head", a second head of the same size as the first.
     assert small_vit(distillation="token").count_params() == base.count_params() + 2 * dim
     assert small_vit(distillation="head").count_params() == base.count_params() + 2 * dim + 5 * dim + 5

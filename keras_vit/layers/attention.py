@@ -5,7 +5,7 @@ import numpy as np
 
 from keras_vit import kernels
 from keras_vit.layers.common import add_stacked_projections, check_positive_int, check_rate, register
-from keras_vit.layers.core import Dropout
+from keras_vit.layers.core import Dropout, check_norm, make_norm
 from keras_vit.layers.quantization import Int8Kernels
 
 
@@ -32,6 +32,9 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
         seed: seed of the dropout.
         qkv_bias: the query, key and value projections have biases (the
             paper's; False: none, as timm's `qkv_bias=False` models).
+        sub_norm: None, or a norm ("layer" or "rms", with `norm_epsilon`) of
+            the heads' concatenated output before the output projection
+            (BEiT-3's sub-LN; sublayer `norm`).
 
     Call args:
         inputs: (batch, tokens, hidden).
@@ -53,8 +56,11 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
 
     QUANTIZED_KERNELS = ("qkv_kernel", "output_kernel")
 
-    def __init__(self, num_heads, dropout_rate=0.0, seed=None, qkv_bias=True, **kwargs):
+    def __init__(self, num_heads, dropout_rate=0.0, seed=None, qkv_bias=True, sub_norm=None, norm_epsilon=1e-6,
+                 **kwargs):  # fmt: skip
         super().__init__(**kwargs)
+        self.sub_norm = None if sub_norm is None else check_norm(sub_norm)
+        self.norm_epsilon = float(norm_epsilon)
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.dropout_rate = check_rate("dropout_rate", dropout_rate)
         self.seed = seed
@@ -77,6 +83,10 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
         self.attention_dropout = Dropout(
             self.dropout_rate, seed=self.seed, dtype=self.dtype_policy, name="attention_dropout"
         )
+        self.norm = None
+        if self.sub_norm is not None:
+            self.norm = make_norm(self.sub_norm, self.norm_epsilon, dtype=self.dtype_policy, name="norm")
+            self.norm.build(input_shape)
         self.build_quantized()
 
     def call(self, inputs, training=None, return_attention_scores=False):
@@ -92,6 +102,8 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
         )
         if return_attention_scores:
             attended, scores = attended
+        if self.norm is not None:
+            attended = self.norm(attended)
         outputs = self.project(attended, "output_kernel", self.output_bias)
         return (outputs, scores) if return_attention_scores else outputs
 
@@ -122,4 +134,6 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
             "dropout_rate": self.dropout_rate,
             "seed": self.seed,
             "qkv_bias": self.use_qkv_bias,
+            "sub_norm": self.sub_norm,
+            "norm_epsilon": self.norm_epsilon,
         }

@@ -1,5 +1,7 @@
 """The Transformer encoder block and the pooling of its tokens (paper eq. 2-4)."""
 
+import types
+
 import keras
 from keras import ops
 
@@ -14,7 +16,7 @@ from keras_vit.layers.quantization import Int8Kernels
 class TransformerBlock(keras.layers.Layer):
     """One pre-norm encoder block (paper eq. 2-3).
 
-    z' = z + DropPath(g_1 * Dropout(MSA(LN(z))))
+    z' = z + DropPath(g_1 * Dropout(MSA(LN(z))))      (parallel: summed over the branches)
     z  = z' + DropPath(g_2 * MLP(LN(z'))),  MLP = Dense(mlp_dim) -> GELU -> Dropout ->
          Dense(hidden) -> Dropout
 
@@ -44,10 +46,19 @@ class TransformerBlock(keras.layers.Layer):
         norm: "layer" (LayerNorm) or "rms" (RMSNorm).
         mlp: "plain" (the paper's) or "swiglu" (gated by SiLU; `gelu` is
             then unused).
+        sub_norms: norms inside the attention (of its output, before the
+            output projection) and the MLP (of its hidden units, before the
+            second layer): BEiT-3's sub-LN (Wang et al. 2022, "Foundation
+            Transformers", section 2.1).
+        parallel: the number of branches: with 2 or more, each of the block's
+            two residual steps sums that many attentions (or MLPs), each with
+            its own norm and scale, as in Touvron et al. 2022, "Three things
+            everyone should know about Vision Transformers", section 2.
 
     Sublayers: `attention_norm`, `attention`, `mlp_norm`, `mlp_dense_1`,
-    `mlp_dense_2`, and `mlp_gate` with "swiglu"; weights `attention_scale`
-    and `mlp_scale` (hidden,) with `layer_scale`.
+    `mlp_dense_2`, `mlp_gate` with "swiglu", `mlp_sub_norm` with `sub_norms`;
+    weights `attention_scale` and `mlp_scale` (hidden,) with `layer_scale`;
+    with `parallel` > 1, branch j's are the same names prefixed `branch{j}_`.
 
     >>> block = TransformerBlock(num_heads=2, mlp_dim=16)
     >>> tuple(block(keras.ops.zeros((1, 5, 8))).shape)
@@ -68,10 +79,16 @@ class TransformerBlock(keras.layers.Layer):
         qkv_bias=True,
         norm="layer",
         mlp="plain",
+        sub_norms=False,
+        parallel=1,
         **kwargs,
     ):
         super().__init__(**kwargs)
         self.norm = check_norm(norm)
+        if not isinstance(sub_norms, bool):
+            raise ValueError(f"`sub_norms` must be True or False. Received: sub_norms={sub_norms!r}")
+        self.sub_norms = sub_norms
+        self.parallel = check_positive_int("parallel", parallel)
         if mlp not in MLPS:
             raise ValueError(f"`mlp` must be one of {MLPS}. Received: mlp={mlp!r}")
         self.mlp = mlp
@@ -95,57 +112,96 @@ class TransformerBlock(keras.layers.Layer):
                 "TransformerBlock expects tokens of shape (batch, tokens, hidden) with a static "
                 f"hidden width. Received: input_shape={tuple(input_shape)}"
             )
-        hidden, policy = input_shape[-1], self.dtype_policy
-        self.attention_norm = make_norm(self.norm, self.layer_norm_epsilon, dtype=policy, name="attention_norm")
-        self.attention = MultiHeadSelfAttention(
-            self.num_heads, dropout_rate=self.attention_dropout_rate, seed=self.seed, qkv_bias=self.qkv_bias,
-            dtype=policy, name="attention",
-        )
-        self.mlp_norm = make_norm(self.norm, self.layer_norm_epsilon, dtype=policy, name="mlp_norm")
-        swiglu = self.mlp == "swiglu"
-        self.mlp_dense_1 = Dense(self.mlp_dim, activation=None if swiglu else gelu_activation(self.gelu), dtype=policy,
-                                 name="mlp_dense_1")  # fmt: skip
-        self.mlp_gate = Dense(self.mlp_dim, activation="silu", dtype=policy, name="mlp_gate") if swiglu else None
-        self.mlp_dense_2 = Dense(hidden, dtype=policy, name="mlp_dense_2")
-        self.dropout = Dropout(self.dropout_rate, seed=self.seed, dtype=policy)
+        self.dropout = Dropout(self.dropout_rate, seed=self.seed, dtype=self.dtype_policy)
         self.seed_generator = keras.random.SeedGenerator(self.seed)
-        self.attention_scale = self.mlp_scale = None
+        # The paper's block: its sublayers and scales as attributes under their own names; parallel blocks' other
+        # branches, each with its own norms, attention, MLP and scales, under `branch{j}_<name>`.
+        for j in range(self.parallel):
+            prefix = f"branch{j}_" if j else ""
+            for name, value in vars(self._branch(prefix, input_shape)).items():
+                setattr(self, prefix + name, value)
+
+    def _branches(self):
+        """The block's branches (one but for parallel blocks), each a namespace of its sublayers and scales."""
+        names = ("attention_norm", "attention", "mlp_norm", "mlp_dense_1", "mlp_gate", "mlp_sub_norm", "mlp_dense_2",
+                 "attention_scale", "mlp_scale")  # fmt: skip
+        return [
+            types.SimpleNamespace(**{name: getattr(self, (f"branch{j}_" if j else "") + name) for name in names})
+            for j in range(self.parallel)
+        ]
+
+    def _branch(self, prefix, input_shape):
+        """One attention and one MLP with their norms (and scales), built, named with `prefix`."""
+        hidden, policy, epsilon = input_shape[-1], self.dtype_policy, self.layer_norm_epsilon
+        branch = types.SimpleNamespace()
+        branch.attention_norm = make_norm(self.norm, epsilon, dtype=policy, name=prefix + "attention_norm")
+        branch.attention = MultiHeadSelfAttention(
+            self.num_heads, dropout_rate=self.attention_dropout_rate, seed=self.seed, qkv_bias=self.qkv_bias,
+            sub_norm=self.norm if self.sub_norms else None, norm_epsilon=epsilon, dtype=policy,
+            name=prefix + "attention",
+        )
+        branch.mlp_norm = make_norm(self.norm, epsilon, dtype=policy, name=prefix + "mlp_norm")
+        swiglu = self.mlp == "swiglu"
+        branch.mlp_dense_1 = Dense(self.mlp_dim, activation=None if swiglu else gelu_activation(self.gelu),
+                                   dtype=policy, name=prefix + "mlp_dense_1")  # fmt: skip
+        branch.mlp_gate = Dense(self.mlp_dim, activation="silu", dtype=policy, name=prefix + "mlp_gate") if (
+            swiglu) else None  # fmt: skip
+        # BEiT-3's sub-LN: a norm of the MLP's hidden units before its second layer.
+        branch.mlp_sub_norm = make_norm(self.norm, epsilon, dtype=policy, name=prefix + "mlp_sub_norm") if (
+            self.sub_norms) else None  # fmt: skip
+        branch.mlp_dense_2 = Dense(hidden, dtype=policy, name=prefix + "mlp_dense_2")
+        branch.attention_scale = branch.mlp_scale = None
         if self.layer_scale is not None:
             initial = keras.initializers.Constant(self.layer_scale)
-            self.attention_scale = self.add_weight(name="attention_scale", shape=(hidden,), initializer=initial)
-            self.mlp_scale = self.add_weight(name="mlp_scale", shape=(hidden,), initializer=initial)
+            branch.attention_scale = self.add_weight(name=prefix + "attention_scale", shape=(hidden,),
+                                                     initializer=initial)  # fmt: skip
+            branch.mlp_scale = self.add_weight(name=prefix + "mlp_scale", shape=(hidden,), initializer=initial)
+        hidden_shape = (*input_shape[:-1], self.mlp_dim)
         for layer, shape in (
-            (self.attention_norm, input_shape),
-            (self.attention, input_shape),
-            (self.mlp_norm, input_shape),
-            (self.mlp_dense_1, input_shape),
-            (self.mlp_dense_2, (*input_shape[:-1], self.mlp_dim)),
-            *([(self.mlp_gate, input_shape)] if self.mlp_gate is not None else []),
+            (branch.attention_norm, input_shape),
+            (branch.attention, input_shape),
+            (branch.mlp_norm, input_shape),
+            (branch.mlp_dense_1, input_shape),
+            (branch.mlp_dense_2, hidden_shape),
+            (branch.mlp_gate, input_shape),
+            (branch.mlp_sub_norm, hidden_shape),
         ):
-            layer.build(shape)
+            if layer is not None:
+                layer.build(shape)
+        return branch
 
     def call(self, inputs, training=None, return_attention_scores=False):
         if not self.trainable:  # Frozen: inference mode, no dropout and no stochastic depth.
             training = False
-        # Eq. 2: z' = MSA(LN(z)) + z.
-        attended = self.attention(
-            self.attention_norm(inputs, training=training),
-            training=training,
-            return_attention_scores=return_attention_scores,
-        )
-        if return_attention_scores:
-            attended, scores = attended
-        x = inputs + self._drop_path(self._scaled(self.dropout(attended, training=training), self.attention_scale),
-                                     training)  # fmt: skip
+        branches = self._branches()
+        # Eq. 2: z' = MSA(LN(z)) + z (parallel blocks: the branches' attentions summed).
+        x, scores = inputs, []
+        for branch in branches:
+            attended = branch.attention(
+                branch.attention_norm(inputs, training=training),
+                training=training,
+                return_attention_scores=return_attention_scores,
+            )
+            if return_attention_scores:
+                attended, branch_scores = attended
+                scores.append(branch_scores)
+            attended = self._scaled(self.dropout(attended, training=training), branch.attention_scale)
+            x = x + self._drop_path(attended, training)
         # Eq. 3: z = MLP(LN(z')) + z'.
-        normed = self.mlp_norm(x, training=training)
-        y = self.mlp_dense_1(normed)
-        if self.mlp_gate is not None:
-            y = self.mlp_gate(normed) * y
-        y = self.mlp_dense_2(self.dropout(y, training=training))
-        outputs = x + self._drop_path(self._scaled(self.dropout(y, training=training), self.mlp_scale), training)
+        outputs = x
+        for branch in branches:
+            normed = branch.mlp_norm(x, training=training)
+            y = branch.mlp_dense_1(normed)
+            if branch.mlp_gate is not None:
+                y = branch.mlp_gate(normed) * y
+            y = self.dropout(y, training=training)
+            if branch.mlp_sub_norm is not None:
+                y = branch.mlp_sub_norm(y, training=training)
+            y = self._scaled(self.dropout(branch.mlp_dense_2(y), training=training), branch.mlp_scale)
+            outputs = outputs + self._drop_path(y, training)
         if return_attention_scores:
-            return outputs, scores
+            # Every head of the layer: the branches' in order.
+            return outputs, scores[0] if len(scores) == 1 else ops.concatenate(scores, axis=1)
         return outputs
 
     def _scaled(self, x, scale):
@@ -178,6 +234,8 @@ class TransformerBlock(keras.layers.Layer):
             "qkv_bias": self.qkv_bias,
             "norm": self.norm,
             "mlp": self.mlp,
+            "sub_norms": self.sub_norms,
+            "parallel": self.parallel,
         }
 
 
