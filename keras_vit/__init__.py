@@ -20,10 +20,12 @@ from keras_vit.checkpoints import (
     load_pretrained,
     replace_head,
     resample_position_embeddings,
+    resize_patch_kernel,
     save_npz,
     save_timm,
     save_transformers,
     set_image_size,
+    set_patch_size,
 )
 from keras_vit.evaluation import TensorBoardFigures, evaluate
 from keras_vit.flops import count_flops
@@ -98,8 +100,10 @@ __all__ = [
     "parse_variant",
     "replace_head",
     "resample_position_embeddings",
+    "resize_patch_kernel",
     "save_npz",
     "save_timm",
     "save_transformers",
     "set_image_size",
+    "set_patch_size",
 ]

@@ -664,3 +664,49 @@ def test_a_zip_bomb_and_an_empty_archive_are_refused_before_decompressing(source
     empty = tmp_path / "empty_archive.npz"
     np.savez(empty)
     assert_load_fails_unchanged(str(empty), r"an .npz archive of no array")
+
+
+@pytest.mark.parametrize("interpolation", ["bicubic_antialias", "bilinear", "bicubic"])
+def test_flexivit_resize_embeds_a_resized_patch_as_the_original(interpolation):
+    """FlexiViT's pseudo-inverse resize (Beyer et al. 2023): with B the patch resize, a larger patch size gives
+    <B x, w'> = <x, w> for every patch x; a smaller one the least-squares w' (the normal equations B B^T w' = B w)."""
+    from keras_vit.checkpoints.resample import interpolation_matrix
+
+    rng = np.random.default_rng(0)
+    kernel = rng.normal(size=(4, 4, 3, 5))
+    for new in (6, 8, 3, 2):
+        resize = np.kron(*(interpolation_matrix(4, new, interpolation),) * 2)  # (new*new, 16)
+        resized = checkpoints.resize_patch_kernel(kernel, (new, new), interpolation)
+        assert resized.shape == (new, new, 3, 5)
+        w, w_new = kernel.reshape(16, -1), resized.reshape(new * new, -1)
+        if new > 4:
+            patches = rng.normal(size=(7, 16))
+            np.testing.assert_allclose((patches @ resize.T) @ w_new, patches @ w, atol=1e-9)
+        else:
+            np.testing.assert_allclose(resize @ resize.T @ w_new, resize @ w, atol=1e-9)
+    with pytest.raises(ValueError, match="interpolation='nearest'"):
+        checkpoints.resize_patch_kernel(kernel, (8, 8), "nearest")
+
+
+def test_set_patch_size_gives_a_model_that_sees_the_upsampled_image_as_the_original():
+    """A 16 px model with 4 px patches made into one with 8 px patches at 32 px (the same 4 x 4 grid): on the
+    image whose every patch is upsampled by the resize the kernel was inverted for, the same logits; the spec,
+    class names and the other weights carried over."""
+    from keras_vit.checkpoints.resample import interpolation_matrix
+
+    names = [f"c{i}" for i in range(5)]
+    model = randomize_weights(keras_vit.build_vit("testing", image_size=16, num_classes=5, hidden_dim=16, num_layers=2,
+                                                  num_heads=4, mlp_dim=32, patch_size=4, class_names=names,
+                                                  num_registers=2))  # fmt: skip
+    images = random_images((2, 16, 16, 3))
+    resize = interpolation_matrix(4, 8, "bicubic_antialias")  # (8, 4)
+    patches = images.reshape(2, 4, 4, 4, 4, 3)  # (batch, grid row, row, grid column, column, channel)
+    upsampled = np.einsum("ar,bc,nirjcd->niajbd", resize, resize, patches).reshape(2, 32, 32, 3)
+    larger = keras_vit.set_patch_size(model, 8, image_size=32)
+    assert larger.spec == model.spec.replace(patch_size=(8, 8), image_size=(32, 32))
+    np.testing.assert_allclose(larger.predict(upsampled, verbose=0), model.predict(images, verbose=0), atol=1e-4)
+    np.testing.assert_array_equal(larger.get_layer("head").kernel.numpy(), model.get_layer("head").kernel.numpy())
+    # The same image size, another grid: positions resampled; a hybrid refused.
+    assert keras_vit.set_patch_size(model, 2).get_layer("patch_encoder").grid_size == (8, 8)
+    with pytest.raises(ValueError, match="hybrid"):
+        keras_vit.set_patch_size(keras_vit.build_vit("R+Ti/16", image_size=32, num_classes=2), 8)

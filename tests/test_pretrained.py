@@ -563,6 +563,11 @@ TIMM_CASES = {
     "clip_quickgelu": ("vit_base_patch16_clip_quickgelu_224", dict(embed_dim=16, depth=2, num_heads=4)),
     "miil": ("vit_base_patch16_224_miil", dict(embed_dim=16, depth=2, num_heads=4)),
     "deit_distilled": ("deit_tiny_distilled_patch16_224", dict(embed_dim=16, depth=2, num_heads=4)),
+    "aimv2": ("aimv2_large_patch14_224", dict(embed_dim=16, depth=2, num_heads=4)),
+    "dinov2_giant": ("vit_giant_patch14_dinov2", dict(embed_dim=16, depth=2, num_heads=4, mlp_ratio=8)),
+    "eva": ("eva_large_patch14_196", dict(embed_dim=16, depth=2, num_heads=4)),
+    "beit3": ("beit3_base_patch16_224", dict(embed_dim=16, depth=2, num_heads=4)),
+    "parallel": ("vit_small_patch16_18x2_224", dict(embed_dim=16, depth=2, num_heads=4)),
 }
 for _, _args in TIMM_CASES.values():
     _args.update(img_size=32, patch_size=8, num_classes=5)

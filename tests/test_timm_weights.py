@@ -81,6 +81,13 @@ CASES = {
     ),
     # BEiT-3's and EVA's pooling: a class token beside a mean that leaves it out, with fc_norm.
     "unpooled_class_token": (dict(classifier="gap", class_token=True, pooled_norm=True), {"global_pool": "avg"}),
+    # BEiT-3's: norms inside the attention and the MLP, a class token beside the mean, fc_norm.
+    "beit3": (
+        dict(sub_norms=True, classifier="gap", class_token=True, pooled_norm=True),
+        {"scale_attn_norm": True, "scale_mlp_norm": True, "global_pool": "avg"},
+    ),
+    # timm's ParallelThingsBlock (the 18x2 models): two attentions, then two MLPs, each with layer scale.
+    "parallel": (dict(parallel=2, layer_scale=1e-5), {"block_fn": "ParallelThingsBlock", "init_values": 1e-5}),
     # DINOv2 giant's: layer scale and timm's packed SwiGLU (one fc1 of twice the width).
     "swiglu_packed": (
         dict(mlp="swiglu", layer_scale=1e-5),
@@ -212,11 +219,11 @@ def test_missing_key_is_named_in_timms_names(state_dict, tmp_path):
 
 def test_unsupported_timm_parts_are_named(state_dict, tmp_path):
     state_dict["blocks.0.attn.q_norm.weight"] = np.ones(4, "float32")
-    state_dict["blocks.0.attn.norm.weight"] = np.ones(16, "float32")
+    state_dict["blocks.0.in_proj.weight"] = np.ones((80, 16), "float32")
     assert_fails_unchanged(
         state_dict, tmp_path,
-        r"no place for.*'blocks.0.attn.norm.weight', 'blocks.0.attn.q_norm.weight'.*norms inside the attention.*"
-        r"query-key normalisation",
+        r"no place for.*'blocks.0.attn.q_norm.weight', 'blocks.0.in_proj.weight'.*parallel blocks with fused "
+        r"projections.*query-key normalisation",
     )
 
 
@@ -350,6 +357,8 @@ for name, (kwargs, sizes) in cases.items():
     for key in ("mlp_layer", "embed_norm_layer"):  # timm.layers classes, by name.
         if key in kwargs:
             kwargs[key] = getattr(timm.layers, kwargs[key])
+    if "block_fn" in kwargs:  # A block class of vision_transformer.py, by name.
+        kwargs["block_fn"] = getattr(timm.models.vision_transformer, kwargs["block_fn"])
     make = lambda size: model_class(
         img_size=size, patch_size=4, embed_dim=16, depth=2, num_heads=4, num_classes=5, **kwargs
     ).eval()
@@ -379,6 +388,7 @@ SIZES = {
     "registers": [(16, 16), (24, 16)],
     "dinov2_registers": [(16, 16), (28, 28)],
     "distilled": [(16, 16), (24, 20)],
+    "parallel": [(16, 16), (24, 24)],
 }
 
 
@@ -435,12 +445,14 @@ def test_the_timm_table_opens_the_family_the_library_builds_and_names_what_it_re
     opens = {name for name, row in TIMM_ARCHITECTURES.items() if not timm_refusals(row)}
     assert {"vit_base_patch14_dinov2", "vit_large_patch14_reg4_dinov2", "deit3_base_patch16_224",
             "vit_base_patch16_clip_quickgelu_224", "vit_base_patch16_224_miil", "vit_base_patch16_224"} <= opens
+    # At least 95% of timm's ViT and DeiT architectures open.
+    assert len(opens) >= 0.95 * len(TIMM_ARCHITECTURES), (len(opens), len(TIMM_ARCHITECTURES))
     docs = (pathlib.Path(__file__).parents[1] / "docs" / "checkpoints.md").read_text()
     refused = len(TIMM_ARCHITECTURES) - len(opens)
     assert f"Of the {len(TIMM_ARCHITECTURES)} architectures" in docs
     assert f"{len(opens)} open; the {refused} left" in docs
     assert {"vit_giant_patch14_reg4_dinov2", "aimv2_large_patch14_224", "deit_base_distilled_patch16_224",
-            "eva_large_patch14_196"} <= opens
+            "eva_large_patch14_196", "beit3_base_patch16_224", "vit_small_patch16_18x2_224"} <= opens
     assert timm_refusals(TIMM_ARCHITECTURES["vit_base_patch16_rpn_224"]) == ["post-norm blocks"]
     folder = tmp_path / "parallel"
     folder.mkdir()
@@ -448,3 +460,36 @@ def test_the_timm_table_opens_the_family_the_library_builds_and_names_what_it_re
     checkpoints.write_safetensors({"cls_token": np.zeros((1, 1, 16), "float32")}, str(folder / "model.safetensors"))
     with pytest.raises(Exception, match="vit_pwee_patch16_reg1_gap_256' has parallel blocks with fused projections"):
         keras_vit.from_pretrained(folder)
+
+
+# === FlexiViT's patch resize ===
+
+FLEXIVIT_SIDE = r"""
+import sys
+import numpy as np, torch
+from timm.layers import resample_patch_embed
+
+kernel = np.load(sys.argv[1])  # (P, P, C, D): ours
+torch_kernel = torch.from_numpy(kernel.transpose(3, 2, 0, 1).copy())  # (D, C, P, P): timm's
+out = {}
+for size in (3, 4, 7, 10):
+    for mode, antialias in (("bicubic", True), ("bilinear", False)):
+        resized = resample_patch_embed(torch_kernel, [size, size], interpolation=mode, antialias=antialias)
+        out[f"{size}/{mode}{'_antialias' if antialias else ''}"] = resized.numpy().transpose(2, 3, 1, 0)
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_flexivit_patch_resize_is_timms(tmp_path):
+    """`resize_patch_kernel` against timm's own `resample_patch_embed` (the same pseudo-inverse, with PyTorch's
+    resize) from 5 px patches to 3, 4, 7 and 10, bicubic with antialias (timm's default) and bilinear."""
+    python = timm_python()
+    kernel = np.random.default_rng(3).normal(size=(5, 5, 3, 6)).astype(np.float32)
+    np.save(tmp_path / "kernel.npy", kernel)
+    result = subprocess.run([python, "-c", FLEXIVIT_SIDE, str(tmp_path / "kernel.npy"), str(tmp_path / "out.npz")],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for key, expected in np.load(tmp_path / "out.npz").items():
+        size, interpolation = key.split("/")
+        got = checkpoints.resize_patch_kernel(kernel, (int(size), int(size)), interpolation)
+        np.testing.assert_allclose(got, expected, atol=1e-4, err_msg=key)  # float32 pinv in timm

@@ -11,7 +11,7 @@ Each module imports only the ones listed before it:
 - `timm`: timm's state dict names and layouts to and from the original ones;
 - `transformers`: transformers' ViT state dict names to and from timm's;
 - `model_io`: `load_pretrained`, `save_npz`, `save_timm`, `save_transformers`: files in, model out and back;
-- `surgery`: `set_image_size`, `replace_head`, `freeze_backbone`.
+- `surgery`: `set_image_size`, `set_patch_size`, `replace_head`, `freeze_backbone`.
 
 The conversion is pure functions on dicts of NumPy arrays (`canonicalize`, `convert_checkpoint`,
 `to_checkpoint`, `from_timm`, `to_timm`, `from_transformers`, `to_transformers`); only `model_io` and `surgery`
@@ -36,8 +36,8 @@ from keras_vit.checkpoints.model_io import (
     save_timm,
     save_transformers,
 )
-from keras_vit.checkpoints.resample import resample_position_embeddings
-from keras_vit.checkpoints.surgery import freeze_backbone, replace_head, set_image_size
+from keras_vit.checkpoints.resample import resample_position_embeddings, resize_patch_kernel
+from keras_vit.checkpoints.surgery import freeze_backbone, replace_head, set_image_size, set_patch_size
 from keras_vit.checkpoints.timm import from_timm, timm_key, to_timm
 from keras_vit.checkpoints.transformers import from_transformers, to_transformers, transformers_key
 
@@ -57,10 +57,12 @@ __all__ = [
     "read_safetensors",
     "replace_head",
     "resample_position_embeddings",
+    "resize_patch_kernel",
     "save_npz",
     "save_timm",
     "save_transformers",
     "set_image_size",
+    "set_patch_size",
     "timm_key",
     "to_checkpoint",
     "to_timm",

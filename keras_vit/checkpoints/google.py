@@ -83,7 +83,15 @@ _BLOCK = {
     # A gated MLP's gate (build_vit mlp="swiglu"), beside Dense_0, the gated values.
     "MlpBlock_3/Gate_0/kernel": "mlp_gate/kernel",
     "MlpBlock_3/Gate_0/bias": "mlp_gate/bias",
+    # BEiT-3's sub-LN (build_vit sub_norms): the attention's output and the MLP's hidden units normed.
+    f"{BLOCK_ATTENTION}/SubNorm/scale": "attention/norm/gamma",
+    f"{BLOCK_ATTENTION}/SubNorm/bias": "attention/norm/beta",
+    "MlpBlock_3/SubNorm/scale": "mlp_sub_norm/gamma",
+    "MlpBlock_3/SubNorm/bias": "mlp_sub_norm/beta",
 }
+# A parallel block's branch j >= 1 (build_vit parallel): its weights `encoderblock_{i}/branch{j}_<path>` are the
+# keys of a block of its own, `Transformer/encoderblock_{i}_{j}/`, under the same names.
+_BRANCH = re.compile(r"^encoderblock_(\d+)/branch(\d+)_(.+)$")
 _QKV = ("query", "key", "value")
 # The attention layers' fused projections (`<name>_kernel`, `<name>_bias`) -> the checkpoint's
 # projections they stack, in order on the axis before the last.
@@ -178,6 +186,13 @@ def _resnet_path(key):
 def _attention_source(path):
     """(checkpoint prefix, weight name) of an attention's fused projection weight
     (`encoderblock_{i}/attention/qkv_kernel`, `pooling/key_value_bias`, ...); None for any other path."""
+    branch = _BRANCH.match(path)
+    if branch:
+        inner = _attention_source(f"encoderblock_{branch.group(1)}/{branch.group(3)}")
+        if inner is None:
+            return None
+        block, own = f"encoderblock_{branch.group(1)}", f"encoderblock_{branch.group(1)}_{branch.group(2)}"
+        return inner[0].replace(block + "/", own + "/"), inner[1]
     block = re.match(r"^encoderblock_(\d+)/attention/(\w+)$", path)
     pooling = re.match(r"^pooling/(\w+)$", path)
     if block and _ATTENTION_WEIGHT.match(block.group(2)):
@@ -205,6 +220,16 @@ def _read_attention(take, prefix, weight):
         return np.stack(parts, axis=1) if len(parts) > 1 else parts[0]
     parts = [take(f"{prefix}/{name}/bias").reshape(-1) for name in _PROJECTIONS[projection]]
     return np.stack(parts) if len(parts) > 1 else parts[0]
+
+
+def _block_key(path):
+    """(checkpoint key within the block, the block's prefix) of a block's weight `path`, a branch's too; the key
+    None where there is none."""
+    branch = _BRANCH.match(path)
+    if branch:
+        return _BLOCK_BY_PATH.get(branch.group(3)), f"Transformer/encoderblock_{branch.group(1)}_{branch.group(2)}/"
+    block = re.match(r"^encoderblock_(\d+)/(.+)$", path)
+    return _BLOCK_BY_PATH.get(block.group(2)), f"Transformer/encoderblock_{block.group(1)}/"
 
 
 def _write_attention(params, prefix, weight, value, num_heads):
@@ -252,6 +277,10 @@ _OPTIONAL_PARTS = (
      "patch_norm=False"),
     (_IN_BLOCK + "MlpBlock_3/Gate_0/", r"encoderblock_\d+/mlp_gate/", "a gated (SwiGLU) MLP", "mlp='swiglu'",
      "mlp='plain'"),
+    (_IN_BLOCK + BLOCK_ATTENTION + "/SubNorm/", r"encoderblock_\d+/attention/norm/",
+     "norms inside the attention and the MLP (sub-LN)", "sub_norms=True", "sub_norms=False"),
+    (r"Transformer/encoderblock_\d+_\d+/", r"encoderblock_\d+/branch\d+_", "parallel blocks", "parallel=N (N: the "
+     "file's branches per block)", "parallel=1"),
 )
 
 
@@ -385,8 +414,7 @@ class _CheckedReader:
         if attention:
             return _read_attention(self, *attention)
         if block:
-            theirs = _BLOCK_BY_PATH.get(block.group(2))
-            prefix = f"Transformer/encoderblock_{block.group(1)}/"
+            theirs, prefix = _block_key(path)
         else:
             theirs, prefix = _TOP_LEVEL_BY_PATH.get(path), ""
         if theirs is None:
@@ -472,7 +500,8 @@ def to_checkpoint(weights, num_heads):
         elif attention:
             _write_attention(params, *attention, value, num_heads)
         elif block:
-            params[f"Transformer/encoderblock_{block.group(1)}/" + _BLOCK_BY_PATH[block.group(2)]] = value
+            key, prefix = _block_key(path)
+            params[prefix + key] = value
         else:
             params[_TOP_LEVEL_BY_PATH[path]] = value
     return params

@@ -36,10 +36,10 @@ TRANSFORMERS_GELU = {
 }
 TIMM_GELU = {"gelu": "exact", "gelu_tanh": "tanh", "gelu_pytorch_tanh": "tanh", "quick_gelu": "quick"}
 # The parts of a row of `TIMM_ARCHITECTURES` (its `FEATURES`) that this library builds: the spec's
-# `layer_scale`, `num_registers`, `qkv_bias`, `distillation`, `mlp`, `norm`, `patch_norm` and `class_token`, each
-# read from the arrays (the last with the config's global pool).
+# `layer_scale`, `num_registers`, `qkv_bias`, `distillation`, `mlp`, `norm`, `patch_norm`, `sub_norms`, `parallel`
+# and `class_token`, each read from the arrays (the last with the config's global pool).
 TIMM_FEATURES_BUILT = frozenset({"layer_scale", "registers", "no_qkv_bias", "distillation", "swiglu", "rms_norm",
-                                 "patch_norm", "unpooled_class_token"})
+                                 "patch_norm", "unpooled_class_token", "norms_inside", "parallel_blocks"})
 
 
 def timm_refusals(row):
@@ -163,6 +163,8 @@ def architecture(params):
         "norm": "layer" if block + "LayerNorm_0/bias" in params else "rms",
         "patch_norm": "embedding_norm/scale" in params,
         "mlp": "swiglu" if block + "MlpBlock_3/Gate_0/kernel" in params else "plain",
+        "sub_norms": block + BLOCK_ATTENTION + "/SubNorm/scale" in params,
+        "parallel": 1 + max(_branches(params), default=0),
     }
     if "reg" in params:
         arguments["num_registers"] = int(params["reg"].shape[1])
@@ -197,6 +199,11 @@ def architecture(params):
         arguments["variant"] = matches[0]
         arguments["num_channels"] = int(params["conv_root/kernel"].shape[2])  # the image's, not the features'
     return arguments
+
+
+def _branches(params):
+    """The branch numbers (1 ..) of the first block's parallel branches (`Transformer/encoderblock_0_{j}/`)."""
+    return {int(m[1]) for key in params if (m := re.match(r"^Transformer/encoderblock_0_(\d+)/", key))}
 
 
 def _variant_name(arguments):
@@ -234,6 +241,8 @@ def _timm_options(config, path):
         raise PretrainedError(
             f"{path!r}: timm's {architecture!r} has {' and '.join(refused)}, which this library does not build."
         )
+    if gelu not in GELUS:  # A gated MLP's activation (SiLU), which mlp="swiglu" computes: the GELU is unused.
+        gelu = "exact"
     act = model_args.get("act_layer")
     if act is not None:
         if act not in TIMM_GELU:

@@ -128,3 +128,32 @@ def resample_position_embeddings(
     resampled = resampled.reshape(1, new_grid[0] * new_grid[1], -1).astype(posemb.dtype)
     out = np.concatenate([prefix, resampled], axis=1)
     return out[0] if squeeze else out
+
+
+def resize_patch_kernel(kernel, new_patch_size, interpolation="bicubic_antialias"):
+    """A patch embedding's kernel (P_h, P_w, C, D) for patches of `new_patch_size`, by FlexiViT's pseudo-inverse
+    resize (Beyer et al. 2023, "FlexiViT: One Model for All Patch Sizes", section 3.4).
+
+    With B the (p_h p_w, P_h P_w) matrix resizing a patch by `interpolation` (separable: the rows' and the
+    columns' `interpolation_matrix`), the new kernel of each channel and output is w' = pinv(B^T) w: a patch
+    resized to the new size embeds as the original did (exactly when the new size is larger, in the least-squares
+    sense when smaller).  timm's `resample_patch_embed` computes the same, with PyTorch's resize.
+
+    >>> kernel = np.random.default_rng(0).normal(size=(4, 4, 3, 8))
+    >>> resize_patch_kernel(kernel, (8, 8)).shape
+    (8, 8, 3, 8)
+    """
+    if interpolation not in ("bilinear", "bicubic", "bicubic_antialias"):
+        raise ValueError(
+            "`interpolation` must be 'bilinear', 'bicubic' or 'bicubic_antialias'. Received: "
+            f"interpolation={interpolation!r}"
+        )
+    kernel = np.asarray(kernel)
+    if kernel.ndim != 4:
+        raise ValueError(f"Expected a patch kernel (P_h, P_w, channels, D). Received: shape {kernel.shape}")
+    (old_h, old_w), (new_h, new_w) = kernel.shape[:2], tuple(int(v) for v in new_patch_size)
+    rows, columns = (interpolation_matrix(old, new, interpolation) for old, new in ((old_h, new_h), (old_w, new_w)))
+    resize = np.kron(rows, columns)
+    flat = kernel.reshape(old_h * old_w, -1).astype(np.float64)
+    resized = np.linalg.pinv(resize.T) @ flat
+    return resized.reshape(new_h, new_w, *kernel.shape[2:]).astype(kernel.dtype)

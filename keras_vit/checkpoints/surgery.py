@@ -1,10 +1,11 @@
-"""Model surgery for transfer learning: another resolution (`set_image_size`), a new head (`replace_head`),
-a frozen backbone (`freeze_backbone`). Weights move from model to model here; no file is read."""
+"""Model surgery for transfer learning: another resolution (`set_image_size`), another patch size
+(`set_patch_size`, FlexiViT's resize), a new head (`replace_head`), a frozen backbone (`freeze_backbone`).
+Weights move from model to model here; no file is read."""
 
 import keras
 
 from keras_vit.checkpoints.base import check_interpolation
-from keras_vit.checkpoints.resample import resample_position_embeddings
+from keras_vit.checkpoints.resample import resample_position_embeddings, resize_patch_kernel
 from keras_vit.layers import PatchEncoder
 from keras_vit.model import ViT
 from keras_vit.resnet import ResNetStem
@@ -97,8 +98,47 @@ def set_image_size(model, image_size, interpolation="bicubic"):
             index = next(i for i, w in enumerate(old.weights) if w is old.position_embedding)
             values[index] = resample_position_embeddings(
                 values[index], new.grid_size, interpolation,
-                old_grid=old.grid_size, num_prefix_tokens=int(old.use_class_token),
+                old_grid=old.grid_size, num_prefix_tokens=old.num_positioned_prefix,
             )
+        new.set_weights(values)
+    return new_model
+
+
+def set_patch_size(model, patch_size, *, image_size=None, interpolation="bicubic_antialias",
+                   position_interpolation="bicubic"):  # fmt: skip
+    """A `keras_vit.ViT` cutting images into patches of `patch_size` instead, with FlexiViT's resize of the patch
+    embedding (Beyer et al. 2023, "FlexiViT: One Model for All Patch Sizes"): the kernel by the pseudo-inverse
+    of the patch resize (`resize_patch_kernel`, `interpolation`), learned position embeddings resampled to the
+    new patch grid (`position_interpolation`, as `set_image_size`), every other weight copied.
+
+    `image_size`: the new model's (default: the same, so the grid changes with the patch); the preprocessing is
+    scaled to it.  A hybrid's patches are cells of its ResNet features: refused.  Fine-tune after a large change,
+    as FlexiViT's own models were trained across patch sizes and others were not.
+    """
+    if not isinstance(model, ViT):
+        raise ValueError(f"set_patch_size takes a keras_vit.ViT. Received: {type(model).__name__}")
+    if model.spec.resnet_layers is not None:
+        raise ValueError("A hybrid's patches are cells of its ResNet features, not of the image: not resized here.")
+    check_interpolation(position_interpolation)
+    patch = to_pair(patch_size, "patch_size")
+    size = to_pair(image_size, "image_size") if image_size is not None else model.spec.image_size
+    preprocessing = model.preprocessing
+    spec = model.spec.replace(
+        patch_size=patch, image_size=size, preprocessing=None if preprocessing is None else preprocessing.at_size(size)
+    )
+    new_model = ViT(**{**model.get_config(), "spec": spec})
+    for old in model.layers[1:]:
+        new = new_model.get_layer(old.name)
+        values = old.get_weights()
+        if isinstance(old, PatchEncoder):
+            for index, weight in enumerate(old.weights):
+                if weight is old.kernel:
+                    values[index] = resize_patch_kernel(values[index], patch, interpolation)
+                elif old.position_embedding_type == "learned" and weight is old.position_embedding:
+                    values[index] = resample_position_embeddings(
+                        values[index], new.grid_size, position_interpolation, old_grid=old.grid_size,
+                        num_prefix_tokens=old.num_positioned_prefix,
+                    )
         new.set_weights(values)
     return new_model
 

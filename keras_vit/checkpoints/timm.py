@@ -33,6 +33,11 @@ names and layouts to and from the original checkpoints' (those
   -> `.../MlpBlock_3/Gate_0/*`, `Dense_0/*`; timm's packed form (`GluMlp`,
   DINOv2 giant: one `mlp.fc1` of twice the rows `mlp.fc2` reads) is split,
   the gate first;
+- `blocks.{i}.attn.norm.*`, `mlp.norm.*` (BEiT-3's sub-LN) -> `.../SubNorm/*` of the attention and
+  `MlpBlock_3` (build_vit `sub_norms`);
+- parallel blocks (timm's `ParallelThingsBlock`, build_vit `parallel`): `blocks.{i}.attns.{j}.{norm,attn,ls}`,
+  `ffns.{j}.{norm,mlp,ls}` -> branch j read as a block of its own, `Transformer/encoderblock_{i}_{j}/` (j = 0:
+  `encoderblock_{i}`), with a Block's names;
 - `patch_embed.norm.*` -> `embedding_norm/*` (build_vit `patch_norm`); an
   RMSNorm (`norm="rms"`) has a `weight` and no `bias`;
 - a projection without a bias where this model has one (AIMv2's `attn.proj`
@@ -121,6 +126,8 @@ RULES = (
     *_linear("blocks.{i}.mlp.fc1_x", _BLOCK + "MlpBlock_3/Dense_0"),
     *_linear("blocks.{i}.mlp.fc1", _BLOCK + "MlpBlock_3/Dense_0"),
     *_linear("blocks.{i}.mlp.fc2", _BLOCK + "MlpBlock_3/Dense_1"),
+    *_norm("blocks.{i}.attn.norm", _BLOCK_ATTENTION + "/SubNorm"),
+    *_norm("blocks.{i}.mlp.norm", _BLOCK + "MlpBlock_3/SubNorm"),
     *_norm("norm", "Transformer/encoder_norm"),
     *_norm("fc_norm", "pooled_norm"),
     ("attn_pool.latent", ("MAPHead_0/probe",), _SAME),
@@ -137,9 +144,6 @@ RULES = (
 
 # Parts of timm's ViT family this model does not have, by a piece of their keys.
 UNSUPPORTED = {
-    ".attn.norm.": "norms inside the attention and the MLP (timm scale_attn_norm, scale_mlp_norm)",
-    ".mlp.norm.": "norms inside the attention and the MLP (timm scale_attn_norm, scale_mlp_norm)",
-    ".attns.": "parallel blocks (timm ParallelThingsBlock)",
     ".in_proj.": "parallel blocks with fused projections (timm ParallelScalingBlock)",
     "q_norm": "query-key normalisation (timm qk_norm)",
     "k_norm": "query-key normalisation (timm qk_norm)",
@@ -147,8 +151,42 @@ UNSUPPORTED = {
 
 
 def _pattern(template):
-    """A template with "{i}" as a regular expression capturing the block index."""
-    return re.compile("^" + re.escape(template).replace(re.escape("{i}"), r"(\d+)") + "$")
+    """A template with "{i}" as a regular expression capturing the block index (`3`, or `3_1` for branch 1 of a
+    parallel block 3)."""
+    return re.compile("^" + re.escape(template).replace(re.escape("{i}"), r"(\d+(?:_\d+)?)") + "$")
+
+
+# timm's ParallelThingsBlock: `blocks.{i}.attns.{j}.{norm,attn,ls}` and `ffns.{j}.{norm,mlp,ls}`; branch j of block i
+# reads as a block `{i}_{j}` (`{i}` for j = 0) with a Block's names.
+_BRANCH_PARTS = {("attns", "norm"): "norm1", ("attns", "attn"): "attn", ("attns", "ls"): "ls1",
+                 ("ffns", "norm"): "norm2", ("ffns", "mlp"): "mlp", ("ffns", "ls"): "ls2"}  # fmt: skip
+_BLOCK_PARTS = {block: branch for branch, block in _BRANCH_PARTS.items()}
+
+
+def _from_branches(state_dict):
+    """timm's state dict with a parallel block's branches named as blocks (`blocks.{i}_{j}.norm1.weight`)."""
+    renamed = {}
+    for key, value in state_dict.items():
+        match = re.match(r"^blocks\.(\d+)\.(attns|ffns)\.(\d+)\.(norm|attn|ls|mlp)\.(.+)$", key)
+        if match and (match[2], match[4]) in _BRANCH_PARTS:
+            block = match[1] if match[3] == "0" else f"{match[1]}_{match[3]}"
+            key = f"blocks.{block}.{_BRANCH_PARTS[match[2], match[4]]}.{match[5]}"
+        renamed[key] = value
+    return renamed
+
+
+def _to_branches(state_dict):
+    """The inverse of `_from_branches`, for a model with parallel blocks (any `blocks.{i}_{j}` key)."""
+    if not any(re.match(r"^blocks\.\d+_\d+\.", key) for key in state_dict):
+        return state_dict
+    renamed = {}
+    for key, value in state_dict.items():
+        match = re.match(r"^blocks\.(\d+)(?:_(\d+))?\.(norm1|attn|ls1|norm2|mlp|ls2)\.(.+)$", key)
+        if match:
+            group, part = _BLOCK_PARTS[match[3]]
+            key = f"blocks.{match[1]}.{group}.{match[2] or 0}.{part}.{match[4]}"
+        renamed[key] = value
+    return renamed
 
 
 _TIMM_PATTERNS = [(_pattern(rule[0]), rule) for rule in RULES]
@@ -229,7 +267,7 @@ def from_timm(state_dict, num_heads, grid_size=None):
         CheckpointError naming the timm keys this model has no place for, a key
         of an unexpected shape, or a key its other keys need.
     """
-    state_dict, notes = _unpacked(dict(state_dict))
+    state_dict, notes = _unpacked(_from_branches(dict(state_dict)))
     params, unknown = {}, []
     for key, value in state_dict.items():
         rule = next(((match, rule) for pattern, rule in _TIMM_PATTERNS if (match := pattern.match(key))), None)
@@ -353,4 +391,4 @@ def to_timm(params):
     missing = sorted(set(params) - written)
     if missing:
         raise CheckpointError(f"No timm key is known for {missing[:5]}.")
-    return state_dict
+    return _to_branches(state_dict)
