@@ -133,7 +133,8 @@ def build_vit(
         head_kernel_initializer: initializer of the head's kernel; zeros as in
             the original implementation (what fine-tuning wants).
         patch_projection: "conv" or "matmul", see `PatchEncoder`.
-        gelu: the MLPs' GELU: "exact" (x * Phi(x)) or "tanh", the
+        gelu: the MLPs' activation: "exact" (x * Phi(x)), "quick" (CLIP's
+            x * sigmoid(1.702 x)), "silu" (x * sigmoid(x)) or "tanh", the
             approximation the original implementation and big_vision compute
             (Flax's `nn.gelu`): build with "tanh" to reproduce an original
             checkpoint's outputs to float precision.

@@ -35,6 +35,11 @@ def gelu_quick(x):
     return x / (1.0 + np.exp(-1.702 * x))
 
 
+def silu(x):
+    """x * sigmoid(x) (Elfwing et al. 2018)."""
+    return x / (1.0 + np.exp(-x))
+
+
 def softmax(x):
     e = np.exp(x - x.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
@@ -120,7 +125,7 @@ def vit_forward(params, num_layers, images, classifier="token", rescale=True, at
     [batch, heads, tokens, tokens] are appended to it.  `rescale`: pixels in
     [0, 255] to [-1, 1], or with `mean` and `std` to (x / 255 - mean) / std.
     `eps`: the LayerNorms' epsilon; `activation`: the MLPs' (`gelu`, the
-    default, `gelu_tanh` or `gelu_quick`).
+    default, `gelu_tanh`, `gelu_quick` or `silu`).
 
     Options, by the params present: norms without a bias are RMSNorms;
     `embedding_norm/*`, a norm of the patch embeddings; a block's `Gate_0/*`,

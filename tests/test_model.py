@@ -66,6 +66,7 @@ FAMILY_OPTIONS = {
     "registers_gap": dict(num_registers=2, classifier="gap"),
     "no_qkv_bias": dict(qkv_bias=False),
     "quick_gelu": dict(gelu="quick"),
+    "silu": dict(gelu="silu"),
     "dinov2_registers": dict(layer_scale=1e-5, num_registers=4),
     "distilled": dict(distillation="head"),
     "distillation_token": dict(distillation="token"),
@@ -87,7 +88,7 @@ def test_family_options_match_the_numpy_reference_and_survive_saving(name, tmp_p
     model = randomize_weights(small_vit(**kwargs))
     images = random_images((3, 8, 12, 3))
     params, num_layers = numpy_vit.params_from_model(model)
-    activation = numpy_vit.gelu_quick if kwargs.get("gelu") == "quick" else None
+    activation = {"quick": numpy_vit.gelu_quick, "silu": numpy_vit.silu}.get(kwargs.get("gelu"))
     classifier = kwargs.get("classifier", "token")
     expected = numpy_vit.vit_forward(params, num_layers, images, classifier=classifier, activation=activation)
     got = model.predict(images, verbose=0)
@@ -150,6 +151,7 @@ def test_family_options_have_their_parameter_counts_and_the_defaults_build_as_be
         small_vit(num_registers=-1)
     with pytest.raises(ValueError, match="quick"):
         small_vit(gelu="swish")
+    assert small_vit(gelu="silu").count_params() == base.count_params()
 
 
 def test_uint8_and_float_pixels_give_the_same_output():

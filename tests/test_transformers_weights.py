@@ -160,8 +160,26 @@ def test_what_transformers_cannot_hold_is_refused_by_name(tmp_path):
     for options, named in (({"classifier": "gap"}, "classifier='token'"),
                            ({"position_embedding": "sincos2d"}, "position_embedding='learned'"),
                            ({"representation_size": 8}, "representation_size=None"),
-                           ({"pre_norm": True}, "pre_norm=False")):
+                           ({"pre_norm": True}, "pre_norm=False"),
+                           ({"layer_scale": 1e-5}, "layer_scale=None, num_registers=0 and distillation=None"),
+                           ({"num_registers": 2}, "num_registers=0"), ({"distillation": "token"}, "distillation=None"),
+                           ({"classifier": "token_gap"}, "classifier='token'")):  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(named)):
             keras_vit.save_transformers(small_vit(**options), tmp_path / "refused")
     with pytest.raises(ValueError, match="`class_names` has 2 names, the model has 5 classes"):
         keras_vit.save_transformers(small_vit(), tmp_path / "refused", class_names=["a", "b"])
+
+
+def test_save_transformers_writes_the_options_its_layout_holds(tmp_path):
+    """ViT's layout holds query, key and value without biases (`qkv_bias` in the config) and the quick GELU
+    (`hidden_act="quick_gelu"`): written, and read back to the same model."""
+    model = randomize_weights(small_vit(qkv_bias=False, gelu="quick"), seed=4)
+    keras_vit.save_transformers(model, tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["qkv_bias"] is False and config["hidden_act"] == "quick_gelu"
+    assert not any(key.endswith(("query.bias", "key.bias", "value.bias"))
+                   for key in checkpoints.read_checkpoint(str(tmp_path / "saved" / "model.safetensors")))  # fmt: skip
+    loaded = keras_vit.from_pretrained(tmp_path / "saved")
+    assert loaded.spec.qkv_bias is False and loaded.spec.gelu == "quick"
+    images = random_images((2, SIDE, SIDE, 3))
+    np.testing.assert_allclose(loaded.predict(images, verbose=0), model.predict(images, verbose=0), atol=1e-5)

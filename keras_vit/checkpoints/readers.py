@@ -32,9 +32,10 @@ log = logging.getLogger("keras_vit")
 # transformers' `hidden_act` values this model computes.
 TRANSFORMERS_GELU = {
     "gelu": "exact", "gelu_python": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
-    "quick_gelu": "quick",
+    "quick_gelu": "quick", "silu": "silu", "swish": "silu",
 }
-TIMM_GELU = {"gelu": "exact", "gelu_tanh": "tanh", "gelu_pytorch_tanh": "tanh", "quick_gelu": "quick"}
+TIMM_GELU = {"gelu": "exact", "gelu_tanh": "tanh", "gelu_pytorch_tanh": "tanh", "quick_gelu": "quick", "silu": "silu",
+             "swish": "silu"}  # fmt: skip
 # The parts of a row of `TIMM_ARCHITECTURES` (its `FEATURES`) that this library builds: the spec's
 # `layer_scale`, `num_registers`, `qkv_bias`, `distillation`, `mlp`, `norm`, `patch_norm`, `sub_norms`, `parallel`
 # and `class_token`, each read from the arrays (the last with the config's global pool).
@@ -46,7 +47,7 @@ def timm_refusals(row):
     """What this library does not build of a `TIMM_ARCHITECTURES` row, in words (empty: it opens)."""
     _, activation, _, _, features = row
     refused = [TIMM_FEATURES[f] for f in features if f not in TIMM_FEATURES_BUILT]
-    if activation not in GELUS and "swiglu" not in features:  # A gated MLP names its activation itself.
+    if activation not in GELUS and "swiglu" not in features:  # A gated MLP's is SiLU, by its definition.
         refused.append(f"the {activation} activation")
     return refused
 
@@ -241,7 +242,7 @@ def _timm_options(config, path):
         raise PretrainedError(
             f"{path!r}: timm's {architecture!r} has {' and '.join(refused)}, which this library does not build."
         )
-    if gelu not in GELUS:  # A gated MLP's activation (SiLU), which mlp="swiglu" computes: the GELU is unused.
+    if "swiglu" in (row[4] if row is not None else ()):  # Its SiLU is the gate's: the MLP's activation is unused.
         gelu = "exact"
     act = model_args.get("act_layer")
     if act is not None:

@@ -10,10 +10,10 @@ import keras
 from keras_vit import kernels
 from keras_vit.layers.common import register
 
-# The MLP's GELU: "exact" (x Phi(x), the paper's), "tanh" (its approximation, as Flax's
+# The MLP's activation: the GELU, "exact" (x Phi(x), the paper's), "tanh" (its approximation, as Flax's
 # `nn.gelu` computes it in the original implementation and big_vision) or "quick" (OpenAI CLIP's
-# x sigmoid(1.702 x)).
-GELUS = ("exact", "tanh", "quick")
+# x sigmoid(1.702 x)); or "silu" (x sigmoid(x), Elfwing et al. 2018; an MLP of that activation, ungated).
+GELUS = ("exact", "tanh", "quick", "silu")
 
 
 @register
@@ -40,10 +40,10 @@ def gelu_quick(x):
 
 
 def gelu_activation(gelu):
-    """The `Dense` activation of the GELU named `gelu` ("exact", "tanh" or "quick"); a ValueError otherwise."""
+    """The `Dense` activation named `gelu` ("exact", "tanh", "quick" or "silu"); a ValueError otherwise."""
     if gelu not in GELUS:
         raise ValueError(f"`gelu` must be one of {GELUS}. Received: gelu={gelu!r}")
-    return {"exact": "gelu", "tanh": gelu_tanh, "quick": gelu_quick}[gelu]
+    return {"exact": "gelu", "tanh": gelu_tanh, "quick": gelu_quick, "silu": "silu"}[gelu]
 
 
 @register
