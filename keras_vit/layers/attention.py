@@ -59,6 +59,7 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
     def __init__(self, num_heads, dropout_rate=0.0, seed=None, qkv_bias=True, sub_norm=None, norm_epsilon=1e-6,
                  **kwargs):  # fmt: skip
         super().__init__(**kwargs)
+        self.norm = None  # Built with `sub_norm`.
         self.sub_norm = None if sub_norm is None else check_norm(sub_norm)
         self.norm_epsilon = float(norm_epsilon)
         self.num_heads = check_positive_int("num_heads", num_heads)

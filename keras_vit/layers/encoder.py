@@ -8,7 +8,7 @@ from keras import ops
 from keras_vit import kernels
 from keras_vit.layers.attention import MultiHeadSelfAttention
 from keras_vit.layers.common import add_stacked_projections, check_positive_int, check_rate, register
-from keras_vit.layers.core import Dense, Dropout, LayerNormalization, check_norm, gelu_activation, make_norm
+from keras_vit.layers.core import Dense, Dropout, check_norm, gelu_activation, make_norm
 from keras_vit.layers.quantization import Int8Kernels
 
 
@@ -112,13 +112,15 @@ class TransformerBlock(keras.layers.Layer):
                 "TransformerBlock expects tokens of shape (batch, tokens, hidden) with a static "
                 f"hidden width. Received: input_shape={tuple(input_shape)}"
             )
-        self.dropout = Dropout(self.dropout_rate, seed=self.seed, dtype=self.dtype_policy)
-        self.seed_generator = keras.random.SeedGenerator(self.seed)
+        def shared():  # Made after the first branch's layers and before any weight, as the block always made them.
+            self.dropout = Dropout(self.dropout_rate, seed=self.seed, dtype=self.dtype_policy)
+            self.seed_generator = keras.random.SeedGenerator(self.seed)
+
         # The paper's block: its sublayers and scales as attributes under their own names; parallel blocks' other
         # branches, each with its own norms, attention, MLP and scales, under `branch{j}_<name>`.
         for j in range(self.parallel):
             prefix = f"branch{j}_" if j else ""
-            for name, value in vars(self._branch(prefix, input_shape)).items():
+            for name, value in vars(self._branch(prefix, input_shape, shared if j == 0 else None)).items():
                 setattr(self, prefix + name, value)
 
     def _branches(self):
@@ -130,8 +132,9 @@ class TransformerBlock(keras.layers.Layer):
             for j in range(self.parallel)
         ]
 
-    def _branch(self, prefix, input_shape):
-        """One attention and one MLP with their norms (and scales), built, named with `prefix`."""
+    def _branch(self, prefix, input_shape, before_weights=None):
+        """One attention and one MLP with their norms (and scales), built, named with `prefix`; `before_weights`
+        is called once the layers are made, before their weights are (the order of the initial values' draws)."""
         hidden, policy, epsilon = input_shape[-1], self.dtype_policy, self.layer_norm_epsilon
         branch = types.SimpleNamespace()
         branch.attention_norm = make_norm(self.norm, epsilon, dtype=policy, name=prefix + "attention_norm")
@@ -150,6 +153,8 @@ class TransformerBlock(keras.layers.Layer):
         branch.mlp_sub_norm = make_norm(self.norm, epsilon, dtype=policy, name=prefix + "mlp_sub_norm") if (
             self.sub_norms) else None  # fmt: skip
         branch.mlp_dense_2 = Dense(hidden, dtype=policy, name=prefix + "mlp_dense_2")
+        if before_weights is not None:
+            before_weights()
         branch.attention_scale = branch.mlp_scale = None
         if self.layer_scale is not None:
             initial = keras.initializers.Constant(self.layer_scale)
@@ -316,6 +321,8 @@ class MAPHead(Int8Kernels, keras.layers.Layer):
         mlp_dim: width of the MLP's hidden layer.
         gelu: the MLP's GELU, "exact" or "tanh" (big_vision's).
         layer_norm_epsilon: 1e-6, as Flax's and timm's LayerNorm.
+        norm: the norm's kind, "layer" or "rms" (as timm's attn_pool takes
+            the model's norm layer).
 
     Weights: `probe` (1, 1, hidden), `query_kernel` (hidden, hidden),
     `query_bias` (hidden,), `key_value_kernel` (hidden, 2, hidden) and
@@ -335,8 +342,9 @@ class MAPHead(Int8Kernels, keras.layers.Layer):
 
     QUANTIZED_KERNELS = ("query_kernel", "key_value_kernel", "output_kernel")
 
-    def __init__(self, num_heads, mlp_dim, gelu="exact", layer_norm_epsilon=1e-6, **kwargs):
+    def __init__(self, num_heads, mlp_dim, gelu="exact", layer_norm_epsilon=1e-6, norm="layer", **kwargs):
         super().__init__(**kwargs)
+        self.norm_kind = check_norm(norm)
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.mlp_dim = check_positive_int("mlp_dim", mlp_dim)
         gelu_activation(gelu)
@@ -357,7 +365,7 @@ class MAPHead(Int8Kernels, keras.layers.Layer):
         self.key_value_kernel, self.key_value_bias = add_stacked_projections(self, "key_value", 2, hidden)
         self.output_kernel = self.add_weight(name="output_kernel", shape=(hidden, hidden), initializer="glorot_uniform")
         self.output_bias = self.add_weight(name="output_bias", shape=(hidden,), initializer="zeros")
-        self.norm = LayerNormalization(epsilon=self.layer_norm_epsilon, dtype=policy, name="norm")
+        self.norm = make_norm(self.norm_kind, self.layer_norm_epsilon, dtype=policy, name="norm")
         self.mlp_dense_1 = Dense(self.mlp_dim, activation=gelu_activation(self.gelu), dtype=policy, name="mlp_dense_1")
         self.mlp_dense_2 = Dense(hidden, dtype=policy, name="mlp_dense_2")
         pooled = (input_shape[0], 1, hidden)
@@ -388,4 +396,5 @@ class MAPHead(Int8Kernels, keras.layers.Layer):
             "mlp_dim": self.mlp_dim,
             "gelu": self.gelu,
             "layer_norm_epsilon": self.layer_norm_epsilon,
+            "norm": self.norm_kind,
         }
