@@ -442,7 +442,7 @@ def _graph(spec, dtype=None, shared=None):
     tokens = x
     if spec.classifier == "map":
         x = layer("pooling", vit_layers.MAPHead, spec.num_heads, spec.mlp_dim, gelu=spec.gelu,
-                  layer_norm_epsilon=epsilon, **policy)(x)  # fmt: skip
+                  layer_norm_epsilon=epsilon, norm=spec.norm, **policy)(x)  # fmt: skip
     else:
         # Mean pooling reads the patches' tokens, not the class token nor the registers before them.
         skip = int(spec.has_class_token) + spec.num_registers if spec.classifier in ("gap", "token_gap") else 0

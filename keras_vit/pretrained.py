@@ -30,6 +30,7 @@ from keras_vit.checkpoints import model_io
 from keras_vit.checkpoints.base import PretrainedError
 from keras_vit.checkpoints.readers import READERS
 from keras_vit.model import ViT
+from keras_vit.variants import to_pair
 
 LAYOUTS = (
     "timm (config.json with 'architecture' + model.safetensors)",
@@ -270,9 +271,16 @@ def from_pretrained(name_or_path, *, image_size=None, num_classes="file", class_
         unchanged = image_size is None and num_classes == "file" and class_names is None and not build_options
         if unchanged:
             return saved
+        if any(getattr(layer, "quantization_mode", None) for layer in saved._flatten_layers()):
+            raise PretrainedError(
+                f"{label!r} holds a quantized model: its weights are not the float ones another size or head needs. "
+                "Load it with keras.saving.load_model as it is, or pass the float model's file."
+            )
         spec, arrays = saved.spec, model_io.model_checkpoint(saved)
         if image_size is not None and not dynamic:
-            spec = spec.replace(image_size=image_size, preprocessing=None)
+            size = to_pair(image_size, "image_size")
+            spec = spec.replace(image_size=size, preprocessing=None if spec.preprocessing is None else
+                                spec.preprocessing.at_size(size))  # fmt: skip
     else:
         spec, arrays = READERS[layout](
             weights_path, config, preprocessor, label, num_heads=num_heads, image_size=None if dynamic else image_size

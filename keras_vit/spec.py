@@ -168,7 +168,6 @@ class ViTSpec:
                 self.num_registers < 0):
             raise ValueError(f"`num_registers` must be an integer >= 0. Received: num_registers={self.num_registers!r}")
         store("num_registers", int(self.num_registers))
-        self._check_distillation()
         if not isinstance(self.head_kernel_initializer, (str, dict)):
             # Kept as its config, so that specs compare and save by value.
             initializer = keras.initializers.get(self.head_kernel_initializer)
@@ -207,6 +206,7 @@ class ViTSpec:
         store("layer_norm_epsilon", float(epsilon))
         for name in ("dropout_rate", "attention_dropout_rate", "stochastic_depth_rate"):
             store(name, check_rate(name, getattr(self, name)))
+        self._check_distillation()  # After num_classes and representation_size are normalised.
         self._check_input()
         self._check_classes()
 

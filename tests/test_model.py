@@ -140,6 +140,12 @@ def test_family_options_have_their_parameter_counts_and_the_defaults_build_as_be
     assert small_vit(distillation="head").count_params() == base.count_params() + 2 * dim + 5 * dim + 5
     with pytest.raises(ValueError, match="needs classifier='token'"):
         small_vit(distillation="head", classifier="gap")
+    with pytest.raises(ValueError, match=r"needs num_classes \(the heads\)"):
+        small_vit(distillation="head", num_classes=0)
+    assert small_vit(distillation="head", representation_size=0).spec.representation_size is None
+    # A MAP head's norm follows `norm`: an RMSNorm has no bias.
+    map_head = small_vit(classifier="map").count_params()
+    assert small_vit(classifier="map", norm="rms").count_params() == map_head - dim * (2 * layers + 2)
     names = {w.path for w in base.weights}
     assert not any(("scale" in n and "norm" not in n) or "register" in n for n in names), names
     block = base.get_layer("encoderblock_0").get_config()
@@ -152,6 +158,20 @@ def test_family_options_have_their_parameter_counts_and_the_defaults_build_as_be
     with pytest.raises(ValueError, match="quick"):
         small_vit(gelu="swish")
     assert small_vit(gelu="silu").count_params() == base.count_params()
+
+
+def test_a_distilled_models_heads_are_replaced_and_trained_together(tmp_path):
+    """replace_head gives a distilled model two new heads (and a backbone keeps the token without its head);
+    freeze_backbone leaves both heads trainable."""
+    model = randomize_weights(small_vit(distillation="head"))
+    ten = keras_vit.replace_head(model, 10)
+    assert ten.output_shape == (None, 10) and ten.spec.distillation == "head"
+    assert not np.any(ten.get_layer("head_distillation").kernel.numpy())
+    assert ten.get_layer("encoderblock_0") is model.get_layer("encoderblock_0")
+    backbone = keras_vit.replace_head(model, None)
+    assert backbone.spec.distillation == "token" and backbone.output_shape == (None, SMALL["hidden_dim"])
+    keras_vit.freeze_backbone(ten)
+    assert {layer.name for layer in ten.layers if layer.trainable} == {"head", "head_distillation", "distilled_logits"}
 
 
 def test_uint8_and_float_pixels_give_the_same_output():

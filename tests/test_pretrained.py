@@ -344,18 +344,26 @@ def test_a_config_that_contradicts_its_arrays_is_refused_naming_the_field_and_bo
 def test_a_keras_file_is_loaded_by_keras_and_any_other_model_is_refused_by_name(tmp_path):
     """A `.keras` file of a keras_vit.ViT: Keras' own loading in safe mode, the same model (and with a new head
     or size, from its weights); another Keras model, or a .keras file under another name, named for what it is."""
+    crop = keras_vit.Preprocessing.center_crop(16, 0.875)
     model = randomize_weights(keras_vit.build_vit("testing", image_size=16, num_classes=3, hidden_dim=16, num_layers=1,
-                                                  num_heads=2, mlp_dim=32, patch_size=4, layer_scale=1e-5))  # fmt: skip
+                                                  num_heads=2, mlp_dim=32, patch_size=4, layer_scale=1e-5,
+                                                  preprocessing=crop))  # fmt: skip
     model.save(tmp_path / "vit.keras")
     images = random_images((2, 16, 16, 3))
     loaded = keras_vit.from_pretrained(tmp_path / "vit.keras")
     np.testing.assert_array_equal(loaded.predict(images, verbose=0), model.predict(images, verbose=0))
     larger = keras_vit.from_pretrained(tmp_path / "vit.keras", image_size=24, num_classes=5)
     assert larger.output_shape == (None, 5) and larger.input_shape == (None, 24, 24, 3)
+    assert larger.preprocessing == model.spec.preprocessing.at_size((24, 24))
     np.testing.assert_array_equal(larger.get_layer("encoderblock_0").mlp_scale.numpy(),
                                   model.get_layer("encoderblock_0").mlp_scale.numpy())  # fmt: skip
     (tmp_path / "renamed.npz").write_bytes((tmp_path / "vit.keras").read_bytes())  # A zip, as an .npz is.
     assert isinstance(keras_vit.from_pretrained(tmp_path / "renamed.npz"), keras_vit.ViT)
+    model.quantize("int8")
+    model.save(tmp_path / "int8.keras")
+    assert keras_vit.from_pretrained(tmp_path / "int8.keras").get_layer("head").quantization_mode == "int8"
+    with pytest.raises(PretrainedError, match="holds a quantized model"):
+        keras_vit.from_pretrained(tmp_path / "int8.keras", num_classes=4)
     other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     other.save(tmp_path / "other.keras")
     with pytest.raises(PretrainedError, match=r"holding a 'Sequential', not a keras_vit.ViT; load it with keras"):

@@ -129,6 +129,18 @@ def test_save_timm_then_load_is_exact(tmp_path, name, suffix):
         np.testing.assert_array_equal(again[key], state_dict[key], err_msg=key)
 
 
+def test_a_distillation_token_with_registers_saves_and_loads_exactly(tmp_path):
+    """Both tokens before the registers: timm's position rows (class, distillation, zero rows for the registers,
+    patches) written and read back to the same weights."""
+    model = randomize_weights(small_vit(distillation="token", num_registers=2), seed=6)
+    keras_vit.save_timm(model, str(tmp_path / "model.safetensors"))
+    assert checkpoints.read_checkpoint(str(tmp_path / "model.safetensors"))["pos_embed"].shape == (1, 2 + 2 + 16, 16)
+    loaded = small_vit(distillation="token", num_registers=2)
+    assert keras_vit.load_pretrained(loaded, str(tmp_path / "model.safetensors")) == []
+    for key, value in weights_of(loaded).items():
+        np.testing.assert_array_equal(value, weights_of(model)[key], err_msg=key)
+
+
 def test_split_query_key_value_and_no_embed_class_layouts(tmp_path):
     """`attn.q`, `attn.k`, `attn.v` instead of the fused `attn.qkv`, and a `pos_embed` without the
     class token's row (timm's no_embed_class) load to the same model (the class token with a zero

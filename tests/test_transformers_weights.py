@@ -163,7 +163,9 @@ def test_what_transformers_cannot_hold_is_refused_by_name(tmp_path):
                            ({"pre_norm": True}, "pre_norm=False"),
                            ({"layer_scale": 1e-5}, "layer_scale=None, num_registers=0 and distillation=None"),
                            ({"num_registers": 2}, "num_registers=0"), ({"distillation": "token"}, "distillation=None"),
-                           ({"classifier": "token_gap"}, "classifier='token'")):  # fmt: skip
+                           ({"classifier": "token_gap"}, "classifier='token'"),
+                           ({"norm": "rms"}, "norm='layer'"), ({"mlp": "swiglu"}, "mlp='plain'"),
+                           ({"parallel": 2}, "parallel=1"), ({"patch_norm": True}, "patch_norm=False")):  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(named)):
             keras_vit.save_transformers(small_vit(**options), tmp_path / "refused")
     with pytest.raises(ValueError, match="`class_names` has 2 names, the model has 5 classes"):

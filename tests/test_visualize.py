@@ -387,7 +387,8 @@ def test_docstring_examples(module):
 
 
 @pytest.mark.parametrize("options", [dict(num_registers=2), dict(distillation="token"),
-                                     dict(num_registers=3, classifier="gap")], ids=["registers", "distilled", "gap"])
+                                     dict(num_registers=3, classifier="gap"), dict(classifier="gap", class_token=True)],
+                         ids=["registers", "distilled", "gap", "unread_class_token"])  # fmt: skip
 def test_the_figures_read_the_patch_tokens_behind_register_and_distillation_tokens(tmp_path, options):
     """With tokens before the patches (registers, DeiT's distillation token), the maps, distances and position
     similarities are those of the patches: the same numbers as computed by hand from the attention with the extra

@@ -174,6 +174,9 @@ def save_transformers(model, folder, *, class_names=None):
         # Parts transformers' ViT layout has no place for (DINOv2's and DeiT's layouts are read, not written).
         "layer_scale=None, num_registers=0 and distillation=None": not (
             blocks and blocks[0].layer_scale is not None) and encoder.num_prefix_tokens == 1,
+        "norm='layer', mlp='plain', sub_norms=False, parallel=1 and patch_norm=False": not blocks or (
+            blocks[0].norm == "layer" and blocks[0].mlp == "plain" and not blocks[0].sub_norms
+            and blocks[0].parallel == 1 and encoder.patch_norm is None),
     }
     missing = [option for option, ok in options.items() if not ok]
     if missing or not blocks:

@@ -145,6 +145,9 @@ def set_patch_size(model, patch_size, *, image_size=None, interpolation="bicubic
 
 # === Transfer learning ===
 
+# The layers of a model's head: `head`, and a distilled model's second head and the mean of the two.
+HEADS = ("head", "head_distillation", "distilled_logits")
+
 
 def replace_head(model, num_classes, *, name=None):
     """The same backbone (shared layers and weights) with a new zero-initialised head.
@@ -153,8 +156,12 @@ def replace_head(model, num_classes, *, name=None):
     spec but for the head: the preprocessing stays, the class names go with the old head.
     """
     if isinstance(model, ViT):
-        spec = model.spec.replace(num_classes=num_classes or None, class_names=None, head_kernel_initializer="zeros")
-        shared = [layer for layer in model.layers[1:] if layer.name != "head"]
+        changes = dict(num_classes=num_classes or None, class_names=None, head_kernel_initializer="zeros")
+        if model.spec.distillation == "head" and not num_classes:  # A backbone keeps the token, not its head.
+            changes["distillation"] = "token"
+        spec = model.spec.replace(**changes)
+        # The heads are new (a distilled model's two, and the mean of their logits).
+        shared = [layer for layer in model.layers[1:] if layer.name not in HEADS]
         return ViT(spec, name=name or model.name, shared_layers=shared, dtype=model.get_config()["dtype"])
     features = model.get_layer("head").input if "head" in [layer.name for layer in model.layers] else model.output
     outputs = features
@@ -166,7 +173,7 @@ def replace_head(model, num_classes, *, name=None):
 
 
 def freeze_backbone(model, trainable=False):
-    """Freezes (or unfreezes) every layer but the head: a linear probe.
+    """Freezes (or unfreezes) every layer but the head (a distilled model's two heads): a linear probe.
 
     The frozen layers also run in inference mode, in `fit` as in `predict`:
     no dropout, no stochastic depth (as Keras' transfer-learning guide runs
@@ -175,6 +182,6 @@ def freeze_backbone(model, trainable=False):
     this for the change to take effect.
     """
     for layer in model.layers:
-        if layer.name != "head":
+        if layer.name not in HEADS:
             layer.trainable = trainable
     return model

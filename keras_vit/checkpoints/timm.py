@@ -345,7 +345,7 @@ def _fold_register_positions(params, patches):
     register + its row is the token the blocks see either way.  `patches`: the model's patch count, or None;
     where neither layout has that many patch rows (the file's grid is another), a square number of rows left
     after the prefix tells."""
-    cls, registers = int("cls" in params), params["reg"].shape[1]
+    cls, registers = int("cls" in params) + int("dist" in params), params["reg"].shape[1]  # The rows before.
     rows = params[POSEMB].shape[1]
     rest = rows - cls - registers
     if patches is not None and patches in (rest, rows):
@@ -368,7 +368,7 @@ def to_timm(params):
     (`no_embed_class=False`).
     """
     if "reg" in params and POSEMB in params:
-        cls, posemb = int("cls" in params), params[POSEMB]
+        cls, posemb = int("cls" in params) + int("dist" in params), params[POSEMB]
         zeros = np.zeros((1, params["reg"].shape[1], posemb.shape[-1]), posemb.dtype)
         params = {**params, POSEMB: np.concatenate([posemb[:, :cls], zeros, posemb[:, cls:]], axis=1)}
     state_dict, written = {}, set()

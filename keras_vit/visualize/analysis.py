@@ -110,6 +110,16 @@ def patch_layout(model):
     return encoder.grid_size, patch, encoder.use_class_token
 
 
+def reads_class_token(model):
+    """Whether the model's output reads its class token (classifier "token" or "token_gap"), not only the patches'
+    tokens: a class token beside a mean that leaves it out ("gap" with `class_token`) is not read."""
+    pooling = next((layer for layer in model.layers if layer.name == "pooling"), None)
+    method = getattr(pooling, "method", None)
+    if method is None:
+        return patch_encoder(model).use_class_token and not hasattr(pooling, "probe")
+    return method in ("token", "token_gap")
+
+
 def prefix_tokens(model):
     """(tokens before the patches' in the sequence the blocks read, those of them with a position embedding):
     the class and distillation tokens have positions, register tokens (after them) none."""
@@ -186,7 +196,7 @@ def attention_rollout(model, images, *, head_fusion="mean", discard_ratio=0.0):
     (gh, gw), _, has_class_token = patch_layout(model)
     prefix, _ = prefix_tokens(model)
     joint = rollout(attention_weights(model, images), head_fusion, discard_ratio, has_class_token)
-    if has_class_token:
+    if reads_class_token(model):
         maps = joint[:, 0, prefix:]
     else:  # The patches' rows (registers, first, are not pooled), over the patches.
         maps = joint[:, prefix:, prefix:].mean(axis=1)

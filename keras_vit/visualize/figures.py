@@ -23,6 +23,7 @@ from keras_vit.visualize.analysis import (
     patch_sequence,
     position_embedding_similarity,
     prefix_tokens,
+    reads_class_token,
     resnet_stride,
 )
 
@@ -282,8 +283,8 @@ def write_figures(model, image, out_dir, *, prefix=""):
     paths = [
         plot_patch_grid(image[0], patch_sequence(model, image), join("patch_grid.png")),
         plot_attention_rollout(image[0], attention_rollout(model, image)[0], join("attention_rollout.png")),
-        plot_head_attention(image[0], attentions[-1, 0], grid_size, has_class_token, join("head_attention.png"),
-                            prefix=tokens_before),  # fmt: skip
+        plot_head_attention(image[0], attentions[-1, 0], grid_size, reads_class_token(model),
+                            join("head_attention.png"), prefix=tokens_before),  # fmt: skip
         plot_mean_distance(
             mean_distance(attentions, grid_size, patch_size, tokens_before),
             join("mean_attention_distance.png"),
