@@ -57,8 +57,10 @@ def run_module(module, *args, timeout=900, stderr=False, quiet=True):
     """Runs `python -m module args...` from the repository root; returns its stdout (and its stderr with
     `stderr`). `quiet`: without TensorFlow's informational and warning lines from C++ (TF_CPP_MIN_LOG_LEVEL=2);
     False: what a user's terminal shows."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2") if quiet else dict(os.environ)
-    if not quiet:
+    env = dict(os.environ)
+    if quiet:
+        env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    else:
         env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     result = subprocess.run(
         [sys.executable, "-m", module, *args],

@@ -304,12 +304,16 @@ def _check_options(params, target_shapes, key_name):
 
 def _expected_key(path, key_name):
     """The checkpoint key (as the file names it) of the model weight `path`, for messages."""
-    block = re.match(r"^encoderblock_(\d+)/(.+)$", path)
-    attention = re.match(r"^encoderblock_(\d+)/attention/qkv_bias$", path)
-    if attention:
-        return key_name(f"Transformer/encoderblock_{attention.group(1)}/{BLOCK_ATTENTION}/query/bias")
-    if block and block.group(2) in _BLOCK_BY_PATH:
-        return key_name(f"Transformer/encoderblock_{block.group(1)}/{_BLOCK_BY_PATH[block.group(2)]}")
+    attention = _attention_source(path)
+    if attention:  # The first projection's: `qkv_bias` -> `.../query/bias`.
+        prefix, weight = attention
+        if weight == "output_kernel":
+            return key_name(f"{prefix}/out/kernel")
+        projection, kind = weight.rsplit("_", 1)
+        return key_name(f"{prefix}/{_PROJECTIONS[projection][0]}/{kind}")
+    if re.match(r"^encoderblock_\d+/", path):
+        key, prefix = _block_key(path)
+        return key_name(prefix + key) if key is not None else path
     return key_name(_TOP_LEVEL_BY_PATH.get(path, path))
 
 

@@ -357,10 +357,12 @@ def _read_weights(weights_path, heads, label, architecture_name=None, stated_hea
             f"{architecture_name!r}); pass num_heads=."
         )
     patches = next((raw[k] for k in raw if k.endswith(timm.MARKER) or k.endswith(transformers.MARKER)), None)
-    if torch_layout and heads and patches is not None and np.ndim(patches) == 4 and np.shape(patches)[0] % heads:
-        field, value = stated_heads or ("num_heads", heads)
+    width = np.shape(patches)[0] if patches is not None and np.ndim(patches) == 4 else None
+    if torch_layout and width and (not isinstance(heads, int) or heads < 1 or width % heads):
+        # Named as the config says it, unless the caller's num_heads replaced the config's.
+        field, value = stated_heads if stated_heads and stated_heads[1] == heads else ("num_heads", heads)
         raise PretrainedError(
-            f"{label!r}: config.json says {field}={value!r}, the arrays hold a width of {np.shape(patches)[0]}, which "
+            f"{label!r}: config.json says {field}={value!r}, the arrays hold a width of {width}, which "
             "that many heads do not divide (the config contradicts the weights; which one is wrong cannot be told)."
         )
     params, _, _, _ = model_io.to_original_layout(raw, heads or 1)
@@ -380,9 +382,7 @@ def _check_stated(stated, arguments, params, label):
         )
 
     for argument, (field, value) in stated.items():
-        if argument == "num_heads":
-            if not isinstance(value, int) or value < 1 or arguments["hidden_dim"] % value:
-                refuse(field, value, f"a width of {arguments['hidden_dim']}, which that many heads do not divide")
+        if argument == "num_heads":  # Checked as the arrays are split (`_read_weights`).
             continue
         if argument == "image_size":
             if arguments["position_embedding"] != "learned" or value is None:
@@ -391,12 +391,7 @@ def _check_stated(stated, arguments, params, label):
                 size = to_pair(_pair_or_int(value), field)
             except ValueError:
                 refuse(field, value, "a grid of position embeddings")
-            patch = arguments["patch_size"]
-            stride = 1
-            if "variant" in arguments:
-                from keras_vit.resnet import ResNetStem
-
-                stride = ResNetStem.stride(HYBRIDS[arguments["variant"]][1])
+            patch, stride = arguments["patch_size"], _stride(arguments)
             rows = params[POSEMB].shape[1] - _positioned_prefix(arguments)
             if size[0] % (patch[0] * stride) or size[1] % (patch[1] * stride) or (
                     (size[0] // (patch[0] * stride)) * (size[1] // (patch[1] * stride)) != rows):  # fmt: skip
@@ -442,12 +437,16 @@ def _size_from_grid(params, arguments, label):
             f"{label!r}: the position embeddings ({params[POSEMB].shape[1]} rows) are not a square grid and no "
             "config gives the image size; pass image_size=."
         )
-    stride = 1
-    if "variant" in arguments:
-        from keras_vit.resnet import ResNetStem
+    return tuple(side * p * _stride(arguments) for p in arguments["patch_size"])
 
-        stride = ResNetStem.stride(HYBRIDS[arguments["variant"]][1])
-    return tuple(side * p * stride for p in arguments["patch_size"])
+
+def _stride(arguments):
+    """Pixels per step of the patch grid's input: a hybrid's ResNet stride, 1 without a stem."""
+    if "variant" not in arguments:
+        return 1
+    from keras_vit.resnet import ResNetStem
+
+    return ResNetStem.stride(HYBRIDS[arguments["variant"]][1])
 
 
 def _statistic(preprocessing, key):

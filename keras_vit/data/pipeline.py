@@ -223,16 +223,9 @@ def _positioned_passes(source, context, transform, seed, report, what, *, cache,
     pass).
     """
     first_pass, first_index = (tf.constant(value, tf.int64) for value in start)
-    records, total = source.read("train", context, False, None, shuffle_buffer)
-    if total < 1:
-        raise ValueError(f"No examples in {what}.")
+    records = _training_records(source, context, False, None, shuffle_buffer, what)
     if cache:
-        def load(reference, is_end):
-            return load_or_end(source.load, reference, is_end), reference
-
-        # The encoded bytes, read once and kept (their failures to read reported once).
-        loaded = report(mark_failures(records, load, tf.constant("")))
-        kept = loaded.map(lambda outputs, label: (outputs[0], label, outputs[1])).cache()
+        kept = _kept_encoded(source, records, report)
 
     def positioned(inputs, is_end):
         encoded, image_seed, position = inputs
@@ -292,19 +285,30 @@ def _encoded_pass(source, context, seed, report, what, *, cache, shuffle_buffer)
     """One pass of (encoded bytes, label, name) over the training files of `source` that `context`'s input
     pipeline reads: shuffled as read, or with `cache` read once (the failures to read turned by `report`
     into (outputs, label)), kept, and shuffled in a buffer of `shuffle_buffer`."""
-    records, total = source.read("train", context, not cache, seed, shuffle_buffer)
-    if total < 1:
-        raise ValueError(f"No examples in {what}.")
+    records = _training_records(source, context, not cache, seed, shuffle_buffer, what)
     if not cache:
         return records.map(lambda reference, label, name: (source.load(reference), label, name))
+    encoded = _kept_encoded(source, records, report)
+    return encoded.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
 
-    # The encoded bytes, read once and kept (their failures to read reported once), then shuffled.
+
+def _training_records(source, context, shuffle, seed, shuffle_buffer, what):
+    """`source.read` of the training split for `context`'s pipeline; a ValueError naming `what` if it is empty."""
+    records, total = source.read("train", context, shuffle, seed, shuffle_buffer)
+    if total < 1:
+        raise ValueError(f"No examples in {what}.")
+    return records
+
+
+def _kept_encoded(source, records, report):
+    """The encoded bytes of `records`, read once and kept (`cache()`): (encoded, label, name), the failures to
+    read them turned by `report` into (outputs, label), so reported once."""
+
     def load(reference, is_end):
         return load_or_end(source.load, reference, is_end), reference
 
     loaded = report(mark_failures(records, load, tf.constant("")))
-    encoded = loaded.map(lambda outputs, label: (outputs[0], label, outputs[1])).cache()
-    return encoded.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+    return loaded.map(lambda outputs, label: (outputs[0], label, outputs[1])).cache()
 
 
 def _seeded_and_marked(encoded, transform, seed):

@@ -146,23 +146,34 @@ def load_tfds(name, *, data_dir=None, train_split="train", test_split=None, vali
     )
 
 
+def _pipeline_share(splits, split, input_context):
+    """(TFDS split string, its file instructions, sharded by file) of what `input_context`'s input pipeline reads
+    of `split`: all of it for one pipeline; every count-th file where there are at least as many files as
+    pipelines (as TFDS shards by an input context); else an even range of the examples.  A sliced split
+    ("train[:99%]") has file instructions too: (file, skip, take) for each file it reads."""
+    import tensorflow_datasets as tfds
+
+    count, index = input_pipelines(input_context)
+    files = splits[split].file_instructions
+    if count == 1:
+        return split, files, False
+    if len(files) >= count:
+        return split, files[index::count], True
+    split = tfds.even_splits(split, n=count)[index]
+    return split, splits[split].file_instructions, False
+
+
 def _tfds_reader(builder, splits, names):
     """`ImageSource.read` for a TFDS set whose splits ("train", ...) are the TFDS split strings `names`."""
     import tensorflow_datasets as tfds
 
     def read(split, input_context, shuffle, seed, shuffle_buffer):
-        split = names[split]
         read_config = tfds.ReadConfig(shuffle_seed=seed, add_tfds_id=True)
-        count, index = input_pipelines(input_context)
-        # A sliced split ("train[:99%]") has file instructions too: (file, skip, take) for each file it reads.
-        files = splits[split].file_instructions
-        if count == 1:
-            total = splits[split].num_examples
-        elif len(files) >= count:
+        split, files, by_files = _pipeline_share(splits, names[split], input_context)
+        if by_files:
             read_config = read_config.replace(input_context=input_context)  # TFDS takes every count-th file.
-            total = sum(f.take for f in files[index::count])
+            total = sum(f.take for f in files)
         else:
-            split = tfds.even_splits(split, n=count)[index]
             total = splits[split].num_examples
         ds = builder.as_dataset(
             split=split,
@@ -191,12 +202,7 @@ def _tfds_pass_reader(builder, splits, names, read):
         if builder.info.file_format != tfds.core.FileFormat.TFRECORD:
             return seeded_shuffle(read(split, input_context, False, None, shuffle_buffer)[0], shuffle_buffer,
                                   order_seed)  # fmt: skip
-        split = names[split]
-        count, index = input_pipelines(input_context)
-        files = splits[split].file_instructions
-        if count > 1:
-            files = files[index::count] if len(files) >= count else (
-                splits[tfds.even_splits(split, n=count)[index]].file_instructions)
+        _, files, _ = _pipeline_share(splits, names[split], input_context)
         paths = tf.constant([str(f.filename) for f in files])
         first = tf.constant([f.skip for f in files], tf.int64)
         takes = tf.constant([f.take if f.take >= 0 else f.examples_in_shard - f.skip for f in files], tf.int64)

@@ -125,10 +125,8 @@ class TransformerBlock(keras.layers.Layer):
 
     def _branches(self):
         """The block's branches (one but for parallel blocks), each a namespace of its sublayers and scales."""
-        names = ("attention_norm", "attention", "mlp_norm", "mlp_dense_1", "mlp_gate", "mlp_sub_norm", "mlp_dense_2",
-                 "attention_scale", "mlp_scale")  # fmt: skip
         return [
-            types.SimpleNamespace(**{name: getattr(self, (f"branch{j}_" if j else "") + name) for name in names})
+            types.SimpleNamespace(**{name: getattr(self, (f"branch{j}_" if j else "") + name) for name in BRANCH_PARTS})
             for j in range(self.parallel)
         ]
 
@@ -136,7 +134,7 @@ class TransformerBlock(keras.layers.Layer):
         """One attention and one MLP with their norms (and scales), built, named with `prefix`; `before_weights`
         is called once the layers are made, before their weights are (the order of the initial values' draws)."""
         hidden, policy, epsilon = input_shape[-1], self.dtype_policy, self.layer_norm_epsilon
-        branch = types.SimpleNamespace()
+        branch = types.SimpleNamespace()  # Its fields: BRANCH_PARTS.
         branch.attention_norm = make_norm(self.norm, epsilon, dtype=policy, name=prefix + "attention_norm")
         branch.attention = MultiHeadSelfAttention(
             self.num_heads, dropout_rate=self.attention_dropout_rate, seed=self.seed, qkv_bias=self.qkv_bias,
@@ -243,6 +241,10 @@ class TransformerBlock(keras.layers.Layer):
             "parallel": self.parallel,
         }
 
+
+# What a block's branch holds (`TransformerBlock._branch`): its sublayers (None where not built) and scales.
+BRANCH_PARTS = ("attention_norm", "attention", "mlp_norm", "mlp_dense_1", "mlp_gate", "mlp_sub_norm", "mlp_dense_2",
+                "attention_scale", "mlp_scale")  # fmt: skip
 
 # The blocks' MLPs: "plain" (Dense -> GELU -> Dense) or "swiglu" (SiLU-gated).
 MLPS = ("plain", "swiglu")
