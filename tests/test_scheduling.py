@@ -90,7 +90,7 @@ def test_every_test_gets_a_timeout_and_its_group_and_the_groups_come_first():
     scheduling.pytest_collection_modifyitems(None, items)
     assert [item.nodeid for item in items] == ["job", "child", "plain", "slow", "own"]
     timeouts = {item.nodeid: item.get_closest_marker("timeout").args[0] for item in items}
-    assert timeouts == {"plain": 60, "slow": 300, "own": 900, "child": 300, "job": 60}
+    assert timeouts == {"plain": 180, "slow": 300, "own": 900, "child": 300, "job": 180}
     assert items[1].get_closest_marker("slow")  # In a child: slow, whatever its own marks.
     groups = {item.nodeid: item.get_closest_marker("xdist_group") for item in items}
     assert groups["job"].args == ("digits_main_job",) and groups["child"].args == ("environment_jax",)
