@@ -4,7 +4,7 @@ r"""Evaluates a saved or pretrained model on a data set, as a benchmark reports 
     python -m experiments.evaluate --model=google/vit-base-patch16-224 \
         --dataset=tfds:imagenet2012 --split=validation --data_dir=gs://bucket/tfds --out=eval_vit_b16
 
---model: a .keras file, a SavedModel folder (its `serving_default`), or anything
+--model: a .keras file, a SavedModel folder (its signature of images), or anything
 `keras_vit.from_pretrained` opens (a hub id, a folder in a hub layout, an .npz).
 --dataset: "digits" (the bundled scikit-learn digits, their test split),
 "folder:PATH" (an image folder: its test/ subfolder, or the files the training
@@ -51,8 +51,13 @@ def load_model(name):
     if str(name).endswith(".keras"):
         return keras.saving.load_model(name)
     if tf.io.gfile.isdir(name) and tf.io.gfile.exists(os.path.join(name, "saved_model.pb")):
-        layer = keras.layers.TFSMLayer(name, call_endpoint="serving_default")
-        spec = tf.saved_model.load(name).signatures["serving_default"].structured_input_signature[1]["images"]
+        # The signature of uint8 images: `serving_images`, or `serving_default` in SavedModels written before it.
+        signatures = tf.saved_model.load(name).signatures
+        endpoint = "serving_images" if "serving_images" in signatures else "serving_default"
+        spec = signatures[endpoint].structured_input_signature[1].get("images")
+        if spec is None:
+            raise ValueError(f"{name} has no signature of images (it has {sorted(signatures)}).")
+        layer = keras.layers.TFSMLayer(name, call_endpoint=endpoint)
         images = keras.Input(tuple(spec.shape[1:]), dtype=spec.dtype.name, name="images")
         return keras.Model(images, layer(images)["logits"], name=os.path.basename(os.path.normpath(name)))
     from keras_vit import from_pretrained

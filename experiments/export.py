@@ -9,10 +9,13 @@ r"""Exports a trained model, or pretrained weights, for serving and checks it ag
 names); or --pretrained: what `keras_vit.from_pretrained` opens (a hub id, a
 folder, an .npz), exported with the weights' own resize, crop and label names.
 
---format: saved_model (with the `serving_default` and `serving_bytes`
-signatures), tflite (--quantize: none, float16, dynamic, int8) or onnx.  int8
-is calibrated on the digits training images when the model takes digits-sized
-images, otherwise on --calibration_images (an .npy file of NHWC pixels).
+--format: saved_model (signatures `serving_images`, `serving_bytes` and
+`serving_default`: the first, or with --default_signature=bytes encoded
+`image_bytes` and a passthrough `key`, as Vertex AI and TF Serving's REST API
+send them; TF Serving's warmup requests unless --nowarmup), tflite
+(--quantize: none, float16, dynamic, int8) or onnx.  int8 is calibrated on
+the digits training images when the model takes digits-sized images,
+otherwise on --calibration_images (an .npy file of NHWC pixels).
 --max_pixels and --max_aspect_ratio: the largest image `serving_bytes` decodes
 (`keras_vit.data.ImageLimits`); larger ones are refused from their header.
 Prints the file size and the parity of the artefact with the Keras model on the
@@ -44,6 +47,11 @@ def define_flags():
         "overwrite": flags.DEFINE_bool("overwrite", False, "Replace an existing --out."),
         "calibration_images": flags.DEFINE_string("calibration_images", None, ".npy images for int8 calibration."),
         "class_names": flags.DEFINE_list("class_names", None, "Class names for the SavedModel's outputs."),
+        "default_signature": flags.DEFINE_enum(
+            "default_signature", "images", list(export.DEFAULT_SIGNATURES),
+            "SavedModel: what serving_default takes, uint8 images or encoded image_bytes with a key.",
+        ),
+        "warmup": flags.DEFINE_bool("warmup", True, "SavedModel: write TF Serving's warmup requests."),
         "max_pixels": flags.DEFINE_integer(
             "max_pixels", ImageLimits.max_pixels, "serving_bytes: the most pixels (width x height) decoded."
         ),
@@ -80,7 +88,7 @@ def run_artefact(kind, path, images):
     """Logits of the exported artefact on `images`."""
     if kind == "saved_model":
         loaded = tf.saved_model.load(path)
-        return loaded.signatures["serving_default"](images=tf.constant(images))["logits"].numpy()
+        return loaded.signatures["serving_images"](images=tf.constant(images))["logits"].numpy()
     if kind == "tflite":
         from ai_edge_litert.interpreter import Interpreter
 
@@ -100,19 +108,22 @@ def run_artefact(kind, path, images):
 
 
 def export_and_check(
-    model, kind, out, *, quantize=None, calibration=None, class_names=None, image_limits=None, overwrite=False
+    model, kind, out, *, quantize=None, calibration=None, class_names=None, image_limits=None, overwrite=False,
+    default_signature="images", warmup=True,
 ):
     """Exports `model` as `kind` ("saved_model", "tflite" or "onnx") to `out`, then runs the artefact on 100
     sample images (`sample_images`) and compares it with the Keras model.
 
     `calibration` (images) calibrates int8 TFLite, by default the sample
-    images.  Returns (path written, largest |logit difference|, top-1
-    agreement) and prints them with the artefact's size.
+    images; `default_signature` and `warmup` are the SavedModel's.  Returns
+    (path written, largest |logit difference|, top-1 agreement) and prints
+    them with the artefact's size.
     """
     images = sample_images(model, 100)
     if kind == "saved_model":
         path = export.export_saved_model(
-            model, out, class_names=class_names, image_limits=image_limits, overwrite=overwrite
+            model, out, class_names=class_names, image_limits=image_limits, default_signature=default_signature,
+            warmup=warmup, overwrite=overwrite,
         )
     elif kind == "tflite":
         path = export.export_tflite(
@@ -155,6 +166,8 @@ def main(cli):
         class_names=cli.class_names.value,
         image_limits=ImageLimits(cli.max_pixels.value, cli.max_aspect_ratio.value),
         overwrite=cli.overwrite.value,
+        default_signature=cli.default_signature.value,
+        warmup=cli.warmup.value,
     )
 
 

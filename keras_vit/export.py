@@ -3,15 +3,18 @@
 Every artefact takes raw pixels (the model rescales them itself), so it drops
 into a serving stack with no preprocessing code of ours:
 
-- `export_saved_model`: `serving_default` takes uint8 images
+- `export_saved_model`: `serving_images` takes uint8 images
   [batch, H, W, 3] (of any height and width for a model built with
   `dynamic_image_size`); `serving_bytes` takes encoded JPEG/PNG/GIF/BMP/WebP
   bytes and decodes, resizes and center-crops in the graph (as the model's
   `preprocessing` says, for a model from `from_pretrained`), refusing images
-  past `ImageLimits` before decoding them.  Both return
+  past `ImageLimits` before decoding them; `serving_default` is the first,
+  or (default_signature="bytes") encoded `image_bytes` with a passthrough
+  `key`, as Vertex AI and TF Serving's REST API send them.  All return
   `logits`, `probabilities`, `top_k` (class indices) and `top_k_probabilities`,
-  plus `top_k_names` when class names are given.  Load it with plain
-  `tf.saved_model.load` or as `keras.layers.TFSMLayer`.
+  plus `top_k_names` when class names are given.  TF Serving's warmup
+  requests come with it.  Load it with plain `tf.saved_model.load` or as
+  `keras.layers.TFSMLayer`.
 - `export_tflite`: builtin ops only (conversion fails rather than falling
   back to Flex/Select TF ops), float32, float16, dynamic-range or full-integer
   quantisation; run it with `ai_edge_litert.interpreter.Interpreter`.
@@ -24,10 +27,16 @@ import tempfile
 
 import numpy as np
 
-from keras_vit.data import center_crop_resize, decode_image, resize_and_crop
 from keras_vit.data.header import as_image_limits
 from keras_vit.files import atomic_path, write_bytes_atomically
 from keras_vit.kernels import portable_ops
+from keras_vit.prediction import (
+    LABELS_FILE,
+    fixed_image_shape,
+    image_decoder,
+    is_dynamic,
+    model_preprocessing,
+)
 from keras_vit.requirements import import_tensorflow
 
 tf = import_tensorflow("keras_vit.export")
@@ -48,33 +57,6 @@ def _check_destination(path, overwrite):
     return path
 
 
-def fixed_image_shape(model):
-    """The (height, width, channels) a model takes; for one that takes any size (`dynamic_image_size`), the size
-    its weights were made for."""
-    shape = tuple(model.input_shape[1:])
-    if len(shape) == 3 and None in shape[:2] and shape[2] is not None:
-        size = _base_size(model)
-        if size is not None:
-            return (*size, shape[2])
-    if len(shape) != 3 or None in shape:
-        raise ValueError(f"Expected a model with a static (height, width, channels) input. Received: {shape}")
-    return shape
-
-
-def _base_size(model):
-    """The image size the weights of a model from `build_vit(dynamic_image_size=True)` were made for."""
-    preprocessing = getattr(model, "preprocessing", None)
-    if preprocessing is not None:
-        return preprocessing.image_size
-    encoders = [layer for layer in model.layers if getattr(layer, "base_image_size", None) is not None]
-    hybrid = any(layer.name == "resnet" for layer in model.layers)
-    return encoders[0].base_image_size if len(encoders) == 1 and not hybrid else None
-
-
-def _is_dynamic(model):
-    return None in tuple(model.input_shape[1:3])
-
-
 def _outputs(logits, top_k, class_names):
     logits = tf.cast(logits, tf.float32)
     probabilities = tf.nn.softmax(logits, axis=-1)
@@ -88,22 +70,6 @@ def _outputs(logits, top_k, class_names):
     if class_names is not None:
         outputs["top_k_names"] = tf.gather(tf.constant(class_names), top.indices)
     return outputs
-
-
-def _bytes_preprocessing(model, preprocessing, crop_fraction):
-    """The `Preprocessing` serving_bytes applies (None: a center crop of `crop_fraction`): `preprocessing`,
-    else the model's own unless `crop_fraction` is given; its crop checked against the model's fixed size."""
-    if preprocessing is not None and crop_fraction is not None:
-        raise ValueError("Pass `crop_fraction` or `preprocessing`, not both.")
-    if preprocessing is None and crop_fraction is None:
-        preprocessing = getattr(model, "preprocessing", None)
-    if preprocessing is not None:
-        height, width = preprocessing.image_size
-        if not _is_dynamic(model) and (height, width) != fixed_image_shape(model)[:2]:
-            raise ValueError(
-                f"The preprocessing crops {preprocessing.image_size}, the model takes {fixed_image_shape(model)[:2]}."
-            )
-    return preprocessing
 
 
 def _serving_labels(model, class_names, top_k):
@@ -125,20 +91,10 @@ def _serving_labels(model, class_names, top_k):
     return class_names, top_k
 
 
-def _bytes_decoder(limits, channels, preprocessing, size, crop_fraction):
-    """The function serving_bytes maps over the request: encoded bytes to a uint8 image of `size` and
-    `channels`, refused past `limits`, resized and cropped by `preprocessing` (or a center crop of
-    `crop_fraction`, 1.0 when None)."""
-
-    def decode(encoded):
-        image = decode_image(encoded, limits)
-        if channels == 1:
-            image = tf.cast(tf.round(tf.image.rgb_to_grayscale(tf.cast(image, tf.float32))), tf.uint8)
-        if preprocessing is not None:
-            return resize_and_crop(image, preprocessing)
-        return center_crop_resize(image, size, 1.0 if crop_fraction is None else crop_fraction)
-
-    return decode
+DEFAULT_SIGNATURES = ("images", "bytes")
+# TF Serving's warmup file: requests it runs after loading a model and before taking traffic (TF Serving's
+# "SavedModel Warmup" guide), TFRecords of tensorflow.serving.PredictionLog.
+WARMUP_FILE = "assets.extra/tf_serving_warmup_requests"
 
 
 def export_saved_model(
@@ -150,46 +106,77 @@ def export_saved_model(
     crop_fraction=None,
     preprocessing=None,
     image_limits=None,
+    default_signature="images",
+    warmup=True,
     overwrite=False,
 ):
-    """Writes a SavedModel (local or gs://) with two serving signatures.
+    """Writes a SavedModel (local or gs://) with its serving signatures.
+
+    Signatures (each returns `logits`, `probabilities`, `top_k`,
+    `top_k_probabilities`, and `top_k_names` with class names):
+        serving_images: uint8 images [batch, H, W, C] (input `images`).
+        serving_bytes: encoded images (input `encoded`), decoded, resized
+            and cropped in the graph.
+        serving_default: with default_signature="images" (the default),
+            `serving_images`' function; with "bytes", encoded images
+            (input `image_bytes`) and a `key` per image (strings; optional:
+            TF Serving feeds none for a request without it), as
+            `serving_bytes` does, plus the `key` output, the keys as sent
+            (empty strings without them): what Vertex AI and TF Serving's
+            REST API send by default, base64 in JSON.
 
     Args:
         model: a Keras model taking (batch, H, W, C) pixels in [0, 255] and
             returning logits (a model from `build_vit`).
         path: the SavedModel folder.
         class_names: optional names of the classes, returned for the top k
-            (default: the model's `class_names`, set by `from_pretrained`).
+            (default: the model's `class_names`, set by `from_pretrained`)
+            and written to assets/labels.txt, one per line.
         top_k: how many of the most probable classes to return (default 5,
             or all classes if there are fewer).
-        crop_fraction: for `serving_bytes`, the central fraction kept (1.0:
-            resize the shorter side to the model's size and crop the longer;
-            bilinear).
-        preprocessing: for `serving_bytes`, a `keras_vit.Preprocessing`
+        crop_fraction: for the bytes signatures, the central fraction kept
+            (1.0: resize the shorter side to the model's size and crop the
+            longer; bilinear).
+        preprocessing: for the bytes signatures, a `keras_vit.Preprocessing`
             instead (the resize and crop of the weights' own library);
             default: the model's `preprocessing` (set by `from_pretrained`)
             unless `crop_fraction` is given.
-        image_limits: for `serving_bytes`, the largest image decoded
+        image_limits: for the bytes signatures, the largest image decoded
             (`keras_vit.data.ImageLimits`: total pixels and aspect ratio; None:
             its defaults).  A request with an image past them, or with bytes
             that are not an image, fails with an InvalidArgumentError naming
             the limit and the image's size, before anything is decoded; a GIF
             is cut after its first frame, the only one decoded.
+        default_signature: "images" or "bytes", what `serving_default` takes.
+        warmup: write TF Serving's warmup requests
+            (assets.extra/tf_serving_warmup_requests): one request of one
+            image of the model's size per signature, which TF Serving runs
+            before it serves, so that the first requests do not pay for
+            loading the graphs.
         overwrite: replace an existing `path`.
 
     Returns:
         The path written.
     """
+    if default_signature not in DEFAULT_SIGNATURES:
+        raise ValueError(
+            f"`default_signature` must be one of {DEFAULT_SIGNATURES}. "
+            f"Received: default_signature={default_signature!r}"
+        )
     height, width, channels = fixed_image_shape(model)
     if channels not in (1, 3):
         raise ValueError(f"Expected a model of RGB or grey-scale images (3 or 1 channels). Received: {channels}")
     limits = as_image_limits(image_limits)
-    preprocessing = _bytes_preprocessing(model, preprocessing, crop_fraction)
+    preprocessing = model_preprocessing(model, preprocessing, crop_fraction)
     if preprocessing is not None:
         height, width = preprocessing.image_size
     class_names, top_k = _serving_labels(model, class_names, top_k)
+    broken = [name for name in class_names or () if "\n" in name or "\r" in name]
+    if broken:
+        raise ValueError(f"Class names must be one line each (assets/labels.txt); these are not: {broken[:3]!r}")
     path = _check_destination(path, overwrite)
-    decode = _bytes_decoder(limits, channels, preprocessing, (height, width), crop_fraction)
+    decode = image_decoder(limits, channels, preprocessing, (height, width), crop_fraction)
+    image_shape = [None, *((None, None) if is_dynamic(model) else (height, width)), channels]
 
     def serve_images(images):
         return _outputs(model(tf.cast(images, tf.float32), training=False), top_k, class_names)
@@ -202,23 +189,104 @@ def export_saved_model(
         )
         return serve_images(images)
 
-    with atomic_path(path) as temporary:
-        _write_saved_model(
-            model,
-            temporary,
-            {
-                "serving_default": (
-                    serve_images,
-                    tf.TensorSpec(
-                        [None, *((None, None) if _is_dynamic(model) else (height, width)), channels],
-                        tf.uint8,
-                        name="images",
-                    ),
-                ),
-                "serving_bytes": (serve_bytes, tf.TensorSpec([None], tf.string, name="encoded")),
-            },
+    # A default the SignatureDef records (its `defaults`): TF Serving feeds it for a request without a key.
+    no_keys = tf.constant([], tf.string)
+
+    def serve_keyed_bytes(image_bytes, key=no_keys):
+        outputs = serve_bytes(image_bytes)
+        count = tf.shape(image_bytes)[0]
+        keys = tf.cond(tf.size(key) > 0, lambda: key, lambda: tf.fill([count], ""))
+        tf.debugging.assert_equal(
+            tf.shape(keys)[0], count, message="Expected one `key` per image in `image_bytes`, or no key"
         )
+        return {**outputs, "key": tf.identity(keys)}
+
+    images_spec = tf.TensorSpec(image_shape, tf.uint8, name="images")
+    encoded_spec = tf.TensorSpec([None], tf.string, name="encoded")
+    endpoints = {
+        "serving_images": (serve_images, [images_spec]),
+        "serving_bytes": (serve_bytes, [encoded_spec]),
+    }
+    if default_signature == "images":
+        endpoints["serving_default"] = endpoints["serving_images"]
+    else:
+        keyed = [tf.TensorSpec([None], tf.string, name="image_bytes"), tf.TensorSpec([None], tf.string, name="key")]
+        endpoints["serving_default"] = (serve_keyed_bytes, keyed)
+    with atomic_path(path) as temporary:
+        _write_saved_model(model, temporary, endpoints)
+        if class_names is not None:
+            _write_labels(temporary, class_names)
+        if warmup:
+            write_warmup_requests(temporary, _warmup_requests(endpoints, (height, width, channels)))
     return path
+
+
+def _write_labels(folder, class_names):
+    """assets/labels.txt: the class names, one per line."""
+    tf.io.gfile.makedirs(f"{folder}/assets")
+    with tf.io.gfile.GFile(f"{folder}/assets/{LABELS_FILE}", "w") as f:
+        f.write("".join(f"{name}\n" for name in class_names))
+
+
+def _warmup_requests(endpoints, shape):
+    """[(signature name, {input: array})]: one image of `shape` (mid-grey with a gradient) for each signature,
+    as pixels or as a JPEG, with a key for the keyed one."""
+    height, width, channels = shape
+    ramp = np.add.outer(np.arange(height), np.arange(width)) * 255 // max(height + width - 2, 1)
+    image = np.repeat(ramp[:, :, None], channels, axis=2).astype(np.uint8)
+    jpeg = tf.io.encode_jpeg(tf.image.grayscale_to_rgb(image) if channels == 1 else image).numpy()
+    requests = []
+    for name, (_, specs) in endpoints.items():
+        inputs = {}
+        for spec in specs:
+            if spec.dtype == tf.uint8:
+                inputs[spec.name] = image[None]
+            elif spec.name == "key":
+                inputs[spec.name] = np.array([b"warmup"], dtype=object)
+            else:
+                inputs[spec.name] = np.array([jpeg], dtype=object)
+        requests.append((name, inputs))
+    return requests
+
+
+def _varint(value):
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _field(number, payload):
+    """One length-delimited protobuf field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def prediction_log(signature_name, inputs):
+    """A serialized tensorflow.serving.PredictionLog holding a PredictLog's PredictRequest for
+    `signature_name` with `inputs` ({alias: array}).
+
+    The field numbers are those of tensorflow_serving/apis: PredictionLog.predict_log = 6,
+    PredictLog.request = 1, PredictRequest.model_spec = 1 and .inputs = 2 (a map<string, TensorProto>:
+    entries of key = 1, value = 2), ModelSpec.signature_name = 3.  The tensors are TensorFlow's own
+    TensorProtos.  No model name: TF Serving runs a warmup request on the model whose folder holds it.
+    """
+    spec = _field(3, signature_name.encode())
+    request = _field(1, spec) + b"".join(
+        _field(2, _field(1, alias.encode()) + _field(2, tf.make_tensor_proto(array).SerializeToString()))
+        for alias, array in sorted(inputs.items())
+    )
+    return _field(6, _field(1, request))
+
+
+def write_warmup_requests(folder, requests):
+    """Writes `requests` ([(signature name, {input: array})]) as TF Serving's warmup file of the SavedModel in
+    `folder` (assets.extra/tf_serving_warmup_requests)."""
+    tf.io.gfile.makedirs(f"{folder}/assets.extra")
+    with tf.io.TFRecordWriter(f"{folder}/{WARMUP_FILE}") as writer:
+        for name, inputs in requests:
+            writer.write(prediction_log(name, inputs))
 
 
 class _ServingModule(tf.Module):
@@ -239,20 +307,26 @@ class _ServingModule(tf.Module):
 
 
 def _write_saved_model(model, path, endpoints):
-    """Saves `endpoints` ({name: (function, input spec)}) as signatures over the model's variables.
+    """Saves `endpoints` ({name: (function, [input specs])}) as signatures over the model's variables.
 
     A tf.Module holding the variables once: Keras's ExportArchive (keras 3.15)
     writes every variable twice, doubling the SavedModel's size.  Traced with
     `portable_ops()`, so the graph runs on any device and converts to TFLite.
+    Each signature is saved from its tf.function, so that a tensor default of
+    an argument becomes the SignatureDef's default for that input.  Two names
+    given the same (function, specs) share one traced function.
     """
     module = _ServingModule(model)
+    traced = {}
     signatures = {}
-    for name, (function, spec) in endpoints.items():
-        traced = tf.function(function, input_signature=[spec])
-        setattr(module, name, traced)
-        with portable_ops():
-            signatures[name] = traced.get_concrete_function()
-    tf.saved_model.save(module, path, signatures=signatures)
+    with portable_ops():
+        for name, (function, specs) in endpoints.items():
+            if function not in traced:
+                traced[function] = tf.function(function, input_signature=specs)
+                traced[function].get_concrete_function()
+                setattr(module, name, traced[function])
+            signatures[name] = traced[function]
+        tf.saved_model.save(module, path, signatures=signatures)
 
 
 def _calibration_data(data, limit):
@@ -326,7 +400,7 @@ def export_tflite(
             {
                 "serve": (
                     lambda images: model(images, training=False),
-                    tf.TensorSpec([batch_size, height, width, channels], tf.float32, name="images"),
+                    [tf.TensorSpec([batch_size, height, width, channels], tf.float32, name="images")],
                 )
             },
         )

@@ -29,6 +29,7 @@ SHARED_FIXTURES = {
     "torch_reference": 60,
     "failed_writes": 15,
     "small_saved_model": 15,
+    "serving_exports": 30,  # two SavedModels of a small model
     "deployed_service": 30,  # a tf.data service dispatcher and two worker processes (9-16 s here)
 }
 # Timeouts (pytest-timeout, the test's own call; a shared fixture's processes have their own): a test marked

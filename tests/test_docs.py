@@ -31,7 +31,7 @@ PAGES = ["README.md"] + sorted(path.relative_to(ROOT).as_posix() for path in (RO
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", flags=re.M | re.S)
 # ```python blocks are executed; ```bash blocks are shell commands (the README's two are checked against
 # .ci/run); ```text is output or plain text. Anything else (```py, ```Python) would go unexecuted unnoticed.
-LANGUAGES = ("python", "bash", "text")
+LANGUAGES = ("python", "bash", "text", "json")
 
 
 def fenced_blocks(text):

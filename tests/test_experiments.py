@@ -21,9 +21,10 @@ JOB_FLAGS = {
     "scaling": ["config", "workdir"],
     "transfer": ["config", "workdir"],
     "export": [
-        "calibration_images", "class_names", "format", "max_aspect_ratio", "max_pixels", "model", "out", "overwrite",
-        "pretrained", "quantize",
+        "calibration_images", "class_names", "default_signature", "format", "max_aspect_ratio", "max_pixels", "model",
+        "out", "overwrite", "pretrained", "quantize", "warmup",
     ],
+    "predict": ["batch_size", "crop_fraction", "images", "max_aspect_ratio", "max_pixels", "model", "out", "top_k"],
     "visualize": ["image", "model", "out"],
     "evaluate": [
         "batch_size", "crop_fraction", "data_dir", "dataset", "model", "out", "seed", "split", "test_fraction",

@@ -41,7 +41,7 @@ def serving(variant, image_size, repeats):
         functions = {"keras (.keras)": lambda x: keras_fn(tf.cast(x, tf.float32))}
         saved = export.export_saved_model(model, os.path.join(tmp, "saved_model"))
         sizes["saved_model"] = directory_size(saved)
-        signature = tf.saved_model.load(saved).signatures["serving_default"]
+        signature = tf.saved_model.load(saved).signatures["serving_images"]
         functions["saved_model"] = lambda x: signature(images=tf.constant(x))["logits"]
         for quantize in export.QUANTIZATIONS:
             name = f"tflite {quantize or 'float32'}"

@@ -98,7 +98,7 @@ class DecodeFailures:
         return f"DecodeFailures(count={self.count}, paths={paths[:3]}{'...' if len(paths) > 3 else ''})"
 
 
-def _error_message(error):
+def error_message(error):
     """The useful part of an eager op's error: no function-node prefix, no op suffix."""
     message = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", error.message).split(" [Op:")[0]
     return message.strip() or type(error).__name__
@@ -190,7 +190,7 @@ def record_failures(failures, missing, names, reload, limits=None):
             decode_image(reload(name), limits)
             error = "failed in the input pipeline, decoded when tried again (a transient read error?)"
         except tf.errors.OpError as e:
-            error = _error_message(e)
+            error = error_message(e)
         failures.record(name, error)
     if missing > len(names):
         failures.record_unnamed(missing - len(names), names[0] if names else "the end of a pass")
