@@ -219,10 +219,14 @@ _TRACED = weakref.WeakKeyDictionary()
 
 def _probabilities(model):
     if model not in _TRACED:
-        _TRACED[model] = tf.function(
-            lambda images: tf.nn.softmax(tf.cast(model(tf.cast(images, tf.float32), training=False), tf.float32)),
-            reduce_retracing=True,
-        )
+        # By a weak reference: the function, a value of the dictionary, must not keep its key alive.
+        reference = weakref.ref(model)
+
+        def probabilities(images):
+            logits = reference()(tf.cast(images, tf.float32), training=False)
+            return tf.nn.softmax(tf.cast(logits, tf.float32))
+
+        _TRACED[model] = tf.function(probabilities, reduce_retracing=True)
     return _TRACED[model]
 
 
