@@ -68,7 +68,7 @@ def row(result, top_k):
             cells += [result.names[rank], f"{result.probabilities[rank]:.8g}"]
         else:
             cells += ["", ""]
-    return cells + [result.error or ""]
+    return cells + [" ".join((result.error or "").split())]  # One line: a row is one line of the file.
 
 
 def files_done(out, columns):
