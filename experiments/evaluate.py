@@ -46,11 +46,16 @@ def define_flags():
     }
 
 
+def is_saved_model(name):
+    """Whether `name` is a SavedModel folder (local or gs://)."""
+    return tf.io.gfile.isdir(name) and tf.io.gfile.exists(os.path.join(name, "saved_model.pb"))
+
+
 def load_model(name):
     """A Keras model returning logits from a .keras file, a SavedModel folder or a `from_pretrained` name."""
     if str(name).endswith(".keras"):
         return keras.saving.load_model(name)
-    if tf.io.gfile.isdir(name) and tf.io.gfile.exists(os.path.join(name, "saved_model.pb")):
+    if is_saved_model(name):
         # The signature of uint8 images: `serving_images`, or `serving_default` in SavedModels written before it.
         signatures = tf.saved_model.load(name).signatures
         endpoint = "serving_images" if "serving_images" in signatures else "serving_default"

@@ -21,11 +21,10 @@ import os
 import sys
 import time
 
-import tensorflow as tf
 from absl import flags
 
 from experiments import jobs
-from experiments.evaluate import load_model
+from experiments.evaluate import is_saved_model, load_model
 from keras_vit import prediction
 from keras_vit.data.header import ImageLimits
 
@@ -172,14 +171,12 @@ class Progress:
 def prediction_model(name):
     """What `--model` names: a SavedModel folder as its path (its own signature prepares the images), else the
     Keras model (`experiments.evaluate.load_model`)."""
-    if tf.io.gfile.isdir(name) and tf.io.gfile.exists(os.path.join(name, "saved_model.pb")):
+    if is_saved_model(name):
         return name
     return load_model(name)
 
 
 def main(cli):
-    if cli.batch_size.value < 1:
-        raise ValueError(f"--batch_size must be positive. Received: --batch_size={cli.batch_size.value}")
     model = prediction_model(cli.model.value)
     start = time.monotonic()
     predicted, skipped, done = predict_to_csv(
