@@ -30,6 +30,8 @@ The entries, by what they adapt (one module each), what each relies on, and who 
     keras.src.losses.loss.unscale_loss_for_distribution; keras_vit.train_step (gradient accumulation).
   - `update_metrics_stateless(model, ...)`: the JAX trainer's `_update_metrics_variables`;
     keras_vit.train_step (gradient accumulation on JAX).
+  - `build_for_fit(model, batch)`: the trainer's `_symbolic_build`; keras_vit.aot (a step compiled ahead of
+    time needs the variables `fit` makes first).
 - `model.fit` under MultiWorkerMirroredStrategy (`multi_worker`):
   - `patch_keras_for_multi_worker_fit()`: keras.src.backend.tensorflow.trainer
     (`TensorFlowTrainer._maybe_symbolic_build`, `reduce_per_replica`, `_collective_all_reduce_multi_worker`,
@@ -59,7 +61,7 @@ from keras_vit.compat.graphs import convert_variables_to_constants, grappler_op_
 from keras_vit.compat.multi_worker import multi_worker_fit_patched, patch_keras_for_multi_worker_fit
 from keras_vit.compat.optimizers import ClipAfterAllReduce, LearningRateScales, swap_moving_average
 from keras_vit.compat.probes import in_xla_context, onednn_enabled
-from keras_vit.compat.trainer import track_loss, update_metrics_stateless
+from keras_vit.compat.trainer import build_for_fit, track_loss, update_metrics_stateless
 
 # Every entry, in the order of the table above (each module adds its own to CHECKS).
 ENTRIES = (
@@ -72,6 +74,7 @@ ENTRIES = (
     "swap_moving_average",
     "track_loss",
     "update_metrics_stateless",
+    "build_for_fit",
     "patch_keras_for_multi_worker_fit",
 )
 
@@ -94,4 +97,5 @@ __all__ = [
     "swap_moving_average",
     "track_loss",
     "update_metrics_stateless",
+    "build_for_fit",
 ]

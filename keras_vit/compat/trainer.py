@@ -9,6 +9,7 @@ _UNSCALE = ("keras.src.losses.loss", "unscale_loss_for_distribution")
 _TRAINER = ("keras.src.trainers.trainer", "Trainer")
 _JAX_UPDATE = ("keras.src.backend.jax.trainer", "JAXTrainer._update_metrics_variables")
 _JAX_UPDATE_PARAMETERS = ("self", "metrics_variables", "unscaled_loss", "x", "y", "y_pred", "sample_weight")
+_SYMBOLIC_BUILD = ("keras.src.trainers.trainer", "Trainer._symbolic_build")
 
 
 def track_loss(model, loss, x):
@@ -41,6 +42,18 @@ def update_metrics_stateless(model, metrics_variables, unscaled_loss, x, y, y_pr
     return model._update_metrics_variables(metrics_variables, unscaled_loss, x, y, y_pred, sample_weight)
 
 
+def build_for_fit(model, batch):
+    """Makes every variable `model.fit` would make before its first step (the model's, the optimizer's, the
+    compiled loss's and metrics'), from the shapes and dtypes of `batch` alone: nothing is computed.
+
+    Written for Keras 3.15 with TensorFlow 2.21.  Relies on the trainer's private `_symbolic_build(iterator,
+    data_batch)`, which `fit` calls with its first batch; compiling a step ahead of time (`keras_vit.aot`) needs
+    the same variables without a batch of real data or a step run.  Raises PrivateApiError when it changed.
+    """
+    require("build_for_fit")
+    model._symbolic_build(data_batch=batch)
+
+
 def _track_loss_problems():
     problems = function_problems(*_UNSCALE, ("value",), exact=True)
     trainer, problem = lookup(*_TRAINER)
@@ -59,3 +72,4 @@ def _update_metrics_problems():
 
 CHECKS["track_loss"] = _track_loss_problems
 CHECKS["update_metrics_stateless"] = _update_metrics_problems
+CHECKS["build_for_fit"] = lambda: function_problems(*_SYMBOLIC_BUILD, ("self", "iterator", "data_batch"), exact=True)
