@@ -172,62 +172,85 @@ def compile_once(config, topology, global_batch, *, layout="data", mesh_shape=No
     return row, step
 
 
-def find_batch(config, topology, *, layout="data", mesh_shape=None, mode="train", report=print):
-    """The largest global batch (a multiple of 8 per batch shard) that fits, and how far beyond it the step
-    still compiles; returns (the answer's row, the rows of every batch tried).
-
-    Two small batches give the memory's fixed part and its part per image; the batch that would fill the chip
-    is tried first, then neighbours one multiple of 8 per shard apart: up while the step fits, down while it
-    does not (recomputation is not monotonic in the batch, so both neighbours are read). Then the step at
-    twice the answer, to say what a larger batch costs.
-    """
+def find_batch(config, topology, *, layout="data", mesh_shape=None, mode="train", report=None):
+    """The largest global batch that fits (`largest_fitting_batch`), compiling the job's step; returns the
+    answer's row with the search's trail under "search"."""
     from keras_vit import aot
 
     devices = aot.topology_devices(topology)
-    num_classes = config.num_classes or 1000
-    model = build_job_model(config, num_classes)
+    model = build_job_model(config, config.num_classes or 1000)
     shards = make_distribution(layout, devices, 8 * len(devices), config, mesh_shape).device_mesh.shape[0]
-    unit = 8 * shards
-    tried = {}
 
     def attempt(batch):
+        try:
+            row, _ = compile_once(config, topology, batch, layout=layout, mesh_shape=mesh_shape, mode=mode,
+                                  model=model)  # fmt: skip
+        except aot.DoesNotFitError as error:
+            row = {"global_batch": batch, "fits": False, "error": str(error)}
+        row["compiles"] = "error" not in row
+        if report:
+            report(row)
+        return row
+
+    return largest_fitting_batch(attempt, 8 * shards, aot.chip(topology).hbm_bytes)
+
+
+def largest_fitting_batch(attempt, unit, hbm_bytes):
+    """The largest multiple of `unit` for which `attempt(batch)` (a row with "fits", "compiles" and, when it
+    compiles, "bytes_per_chip" and "input_bytes_per_chip") fits; the answer's row, with the trail under
+    "search" and the step at twice the answer (whether it compiles and what it recomputes) under
+    "search"/"twice".
+
+    Two small batches give the memory's fixed part and its part per `unit`: the batch that would fill the chip
+    is tried first; above it, batches one `unit` apart while they fit; below it, a bisection between the
+    largest batch known to fit and the smallest known not to, down to one `unit`. The compiler's
+    recomputation is not monotonic in the batch, so the answer is the largest batch that fits with the next
+    one `unit` larger not fitting, and twice the answer is compiled to show what a larger batch costs.
+    """
+    tried = {}
+
+    def at(batch):
         if batch not in tried:
-            try:
-                row, _ = compile_once(config, topology, batch, layout=layout, mesh_shape=mesh_shape, mode=mode,
-                                      model=model)  # fmt: skip
-            except aot.DoesNotFitError as error:
-                row = {"global_batch": batch, "fits": False, "compiles": False, "error": str(error)}
-            row.setdefault("compiles", True)
-            tried[batch] = row
-            report(json.dumps({k: row.get(k) for k in ("global_batch", "compiles", "fits", "recompute_overhead",
-                                                          "compile_seconds")}), file=sys.stderr)  # fmt: skip
+            tried[batch] = attempt(batch)
         return tried[batch]
 
-    small, larger = attempt(unit), attempt(2 * unit)
+    def held(row):
+        return row["bytes_per_chip"]["total"] + row["input_bytes_per_chip"]
+
+    small, larger = at(unit), at(2 * unit)
     if not small["fits"]:
-        raise aot.DoesNotFitError(f"Not even a global batch of {unit} fits {topology}: {small.get('error', '')}")
-    fixed, per_unit = small["bytes_per_chip"]["total"], 0
-    if larger["compiles"]:
-        per_unit = max(larger["bytes_per_chip"]["total"] + larger["input_bytes_per_chip"]
-                       - small["bytes_per_chip"]["total"] - small["input_bytes_per_chip"], 1)  # fmt: skip
-        fixed = small["bytes_per_chip"]["total"] + small["input_bytes_per_chip"] - per_unit
-    hbm = aot.chip(topology).hbm_bytes
-    guess = max(1, int((hbm - fixed) // per_unit)) if per_unit else 1
-    batch = guess * unit
-    while attempt(batch)["fits"]:
-        batch += unit
-    while batch > unit and not attempt(batch)["fits"]:
-        batch -= unit
-    answer = attempt(batch)
-    beyond = attempt(2 * batch)
-    answer = dict(answer)
-    answer["search"] = {
-        "tried": {str(b): {"compiles": r["compiles"], "fits": r["fits"], "recompute_overhead":
-                           r.get("recompute_overhead")} for b, r in sorted(tried.items())},  # fmt: skip
-        "twice": {"global_batch": 2 * batch, "compiles": beyond["compiles"],
-                  "recompute_overhead": beyond.get("recompute_overhead")},  # fmt: skip
-    }
-    return answer, tried
+        return dict(small, search={"tried": _trail(tried)})
+    fits, fails = (2 * unit, None) if larger["fits"] else (unit, 2 * unit)
+    if fails is None:
+        guess = 4 * unit
+        if larger["compiles"] and held(larger) > held(small):
+            per_unit = held(larger) - held(small)
+            guess = max(3, int((hbm_bytes - (held(small) - per_unit)) // per_unit)) * unit
+        batch = guess
+        while at(batch)["fits"]:
+            fits, batch = batch, batch + unit
+        fails = batch
+    while fails - fits > unit:
+        middle = (fits + fails) // (2 * unit) * unit
+        if at(middle)["fits"]:
+            fits = middle
+        else:
+            fails = middle
+    batch = fits
+    answer = at(batch)
+    twice = at(2 * batch)
+    return dict(answer, search={
+        "tried": _trail(tried),
+        "twice": {"global_batch": 2 * batch, "compiles": twice["compiles"],
+                  "recompute_overhead": twice.get("recompute_overhead")},
+    })  # fmt: skip
+
+
+def _trail(tried):
+    return {
+        str(batch): {"compiles": row["compiles"], "fits": row["fits"], "recompute_overhead": row.get(
+            "recompute_overhead")} for batch, row in sorted(tried.items())
+    }  # fmt: skip
 
 
 def with_input(row, results=INPUT_RESULTS):
@@ -300,7 +323,9 @@ def main(cli):
         raise ValueError(str(error)) from error
     start = time.perf_counter()
     if cli.find_batch.value:
-        row, _ = find_batch(config, topology, layout=layout, mesh_shape=cli.mesh_shape.value, mode=mode)
+        row = find_batch(config, topology, layout=layout, mesh_shape=cli.mesh_shape.value, mode=mode,
+                         report=lambda r: logging.info("Global batch %d: %s", r["global_batch"], {
+                             k: r.get(k) for k in ("compiles", "fits", "recompute_overhead", "error")}))
         if not row["fits"]:
             raise aot.DoesNotFitError(f"No global batch fits {topology}: {row.get('error', '')}")
     else:

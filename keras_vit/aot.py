@@ -295,28 +295,61 @@ def _does_not_fit(error):
 
 # === Reading the compiled program ===
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?\S+ = (\S+?)(?:\{[^}]*\})? (\w[\w-]*)\((.*)$")
-_OPERAND_TYPE = re.compile(r"(\w+)\[[\d,]*\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%?[\w.-]+) = (\w+)\[([\d,]*)\](\{[^}]*\})? ([\w-]+)\((.*)$")
+_OPERAND = re.compile(r"%?([\w.-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
-def matmuls(hlo):
-    """[(kind, output type, operand types, op_name)] of every dot and convolution in the program."""
+def instructions(hlo):
+    """[Instruction] of every array-valued instruction of a compiled program's HLO text, fusions' bodies
+    included (the compiled program prints operands by name only; their types are read from their
+    definitions)."""
     found = []
     for line in hlo.splitlines():
         match = _INSTRUCTION.match(line)
-        if not match or match.group(2) not in ("dot", "convolution"):
+        if not match:
             continue
-        operands = match.group(3).split("), ")[0]
-        types = tuple(_OPERAND_TYPE.findall(operands))
-        name = _OP_NAME.search(line)
-        found.append((match.group(2), match.group(1).split("[")[0], types, name.group(1) if name else ""))
+        name, dtype, dims, layout, op, rest = match.groups()
+        depth, end = 0, len(rest)
+        for i, c in enumerate(rest):  # The operands end at the parenthesis that closes the op's.
+            depth += c == "("
+            if c == ")":
+                if depth == 0:
+                    end = i
+                    break
+                depth -= 1
+        op_name = _OP_NAME.search(line)
+        found.append(Instruction(
+            name.lstrip("%"), op, dtype, tuple(int(d) for d in dims.split(",") if d), layout or "",
+            tuple(_OPERAND.match(o.strip()).group(1) for o in rest[:end].split(",") if o.strip().startswith("%")),
+            op_name.group(1) if op_name else "", line.strip(),
+        ))  # fmt: skip
     return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    op: str
+    dtype: str  # "bf16", "f32", ...
+    shape: tuple
+    layout: str  # "{2,1,0:T(8,128)(2,1)}": the minor-to-major order, then the TPU's tiling
+    operands: tuple  # names
+    op_name: str  # the JAX operation it came from ("jit(train_step)/jvp(encoderblock_0)/attention/dot_general")
+    text: str
+
+
+def matmuls(hlo):
+    """[(instruction, operand dtypes)] of every dot and convolution in the program (the TPU compiler turns
+    dots into convolutions)."""
+    program = instructions(hlo)
+    types = {i.name: i.dtype for i in program}
+    return [(i, tuple(types.get(o, "?") for o in i.operands)) for i in program if i.op in ("dot", "convolution")]
 
 
 def float32_matmuls(hlo):
     """The dots and convolutions with a float32 operand: those that do not run at the bfloat16 rate."""
-    return [m for m in matmuls(hlo) if "f32" in m[2]]
+    return [instruction for instruction, operands in matmuls(hlo) if "f32" in operands]
 
 
 _HOST_OPS = ("outfeed", "infeed", "send", "recv", "send-done", "recv-done")
@@ -327,8 +360,8 @@ def host_transfers(hlo):
     """Lines of the program that talk to the host: infeed/outfeed, host send/recv, Python callbacks."""
     found = []
     for line in hlo.splitlines():
-        match = _INSTRUCTION.match(line)
-        op = match.group(2) if match else ""
+        op = re.search(r"= \S+ ([\w-]+)\(", line)
+        op = op.group(1) if op else ""
         if op in _HOST_OPS or "is_host_transfer=true" in line or (op == "custom-call" and _HOST_CALLS.search(line)):
             found.append(line.strip()[:200])
     return found
