@@ -26,10 +26,13 @@ import pathlib
 import sys
 import time
 
-import keras
-from absl import flags, logging
+# Before JAX loads libtpu (keras_vit.aot.topology_devices): compiles may run beside each other.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-from experiments import jobs, models
+import keras  # noqa: E402
+from absl import flags, logging  # noqa: E402
+
+from experiments import jobs, models  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_FILE = ROOT / "results" / "tpu_compile.jsonl"
@@ -166,8 +169,10 @@ def compile_once(config, topology, global_batch, *, layout="data", mesh_shape=No
         "flops_per_chip": step.flops_per_chip,
         "analytic_flops_per_chip": analytic,
         "recompute_overhead": round(overhead, 4),
+        # Dots and convolutions with a float32 operand under bfloat16 (the float32 head's among them).
         "float32_matmuls": len(aot.float32_matmuls(step.hlo)) if "bfloat16" in config.precision else None,
         "host_transfers": len(aot.host_transfers(step.hlo)),
+        "attention_padding": round(aot.attention_padding(step.hlo)["ratio"] or 1.0, 3),
     }
     return row, step
 
@@ -202,8 +207,8 @@ def largest_fitting_batch(attempt, unit, hbm_bytes):
     "search"/"twice".
 
     Two small batches give the memory's fixed part and its part per `unit`: the batch that would fill the chip
-    is tried first; above it, batches one `unit` apart while they fit; below it, a bisection between the
-    largest batch known to fit and the smallest known not to, down to one `unit`. The compiler's
+    is tried first; above it, batches 1, 2, 4, ... `unit`s further while they fit; then a bisection between
+    the largest batch known to fit and the smallest known not to, down to one `unit`. The compiler's
     recomputation is not monotonic in the batch, so the answer is the largest batch that fits with the next
     one `unit` larger not fitting, and twice the answer is compiled to show what a larger batch costs.
     """
@@ -226,9 +231,9 @@ def largest_fitting_batch(attempt, unit, hbm_bytes):
         if larger["compiles"] and held(larger) > held(small):
             per_unit = held(larger) - held(small)
             guess = max(3, int((hbm_bytes - (held(small) - per_unit)) // per_unit)) * unit
-        batch = guess
-        while at(batch)["fits"]:
-            fits, batch = batch, batch + unit
+        batch, step = guess, unit
+        while at(batch)["fits"]:  # Galloping up: a step twice as long after each batch that fits.
+            fits, batch, step = batch, batch + step, 2 * step
         fails = batch
     while fails - fits > unit:
         middle = (fits + fails) // (2 * unit) * unit

@@ -26,6 +26,7 @@ negative for whole training steps), so nothing here reads it.
 """
 
 import dataclasses
+import os
 import re
 import time
 
@@ -113,6 +114,9 @@ def topology_devices(topology):
         ValueError: the compiler does not know the topology (lists the known ones).
     """
     spec = chip(topology)
+    # libtpu locks a file so that one process at a time drives a machine's TPUs; compiling drives none, and
+    # several compiles (a batch search beside a test) may run at once. Read when JAX first loads libtpu.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         from jax.experimental import topologies
     except ImportError as error:
@@ -153,6 +157,8 @@ class CompiledStep:
     compiled: object  # jax.stages.Compiled
     compile_seconds: float
     chips: int
+    arguments: tuple = ()  # (state, batch) as the abstract values it was compiled for
+    model: object = None
 
     @property
     def bytes_per_chip(self):
@@ -198,16 +204,27 @@ class DoesNotFitError(ValueError):
 
 def abstract_state(model, distribution, *, optimizer=True, metrics=True):
     """The JAX trainer's state `(trainable, non_trainable[, optimizer][, metrics])` as `jax.ShapeDtypeStruct`s
-    laid out as `distribution` lays out each variable."""
+    laid out as `distribution` lays out each variable in `fit`.
+
+    An optimizer variable made for a model variable (a moment, a moving average) takes that variable's layout,
+    as Keras' `add_variable_from_reference` gives it when `fit` builds the optimizer under the distribution; it
+    is found by the name that method gives it ("{path with '/' as '_'}_{name}") and its shape.
+    """
     import jax
 
-    def spec(variable):
-        layout = distribution.get_variable_layout(variable)
+    def spec(variable, layout=None):
+        layout = layout or distribution.get_variable_layout(variable)
         return jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=layout.backend_layout)
+
+    trainable = {v.path.replace("/", "_") + "_": v for v in model.trainable_variables}
+
+    def reference_layout(variable):
+        matches = [p for p in trainable if variable.name.startswith(p) and trainable[p].shape == variable.shape]
+        return distribution.get_variable_layout(trainable[max(matches, key=len)]) if matches else None
 
     state = [[spec(v) for v in model.trainable_variables], [spec(v) for v in model.non_trainable_variables]]
     if optimizer:
-        state.append([spec(v) for v in model.optimizer.variables])
+        state.append([spec(v, reference_layout(v)) for v in model.optimizer.variables])
     if metrics:
         state.append([spec(v) for v in model.metrics_variables])
     return tuple(state)
@@ -236,7 +253,7 @@ def compile_train_step(model, distribution, batch):
         data = abstract_batch(distribution, batch)
         shardings = keras.tree.map_structure(lambda s: s.sharding, state)
         step = jax.jit(model.train_step, donate_argnums=0, out_shardings=(None, shardings))
-        return _compile(step, (state, data), distribution)
+        return _compile(step, (state, data), distribution, model)
 
 
 def compile_predict_step(model, distribution, images):
@@ -253,10 +270,10 @@ def compile_predict_step(model, distribution, images):
             return outputs, (state[0], non_trainable)
 
         step = jax.jit(predict_step, donate_argnums=0, out_shardings=(None, shardings))
-        return _compile(step, (state, data), distribution)
+        return _compile(step, (state, data), distribution, model)
 
 
-def _compile(step, arguments, distribution):
+def _compile(step, arguments, distribution, model):
     lowered = step.lower(*arguments)
     start = time.perf_counter()
     try:
@@ -267,10 +284,15 @@ def _compile(step, arguments, distribution):
             raise
         raise does_not_fit from error
     seconds = time.perf_counter() - start
-    return CompiledStep(compiled, seconds, chip_count(distribution.device_mesh.devices.flatten()))
+    return CompiledStep(compiled, seconds, chip_count(distribution.device_mesh.devices.flatten()), arguments, model)
 
 
-_OUT_OF_MEMORY = re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm", re.IGNORECASE)
+# The two forms of the compiler's message: "Used 17.1G of 15.75G hbm. Exceeded hbm capacity by ...", and "the
+# total memory required for HLO temporaries (58.13G) exceeds available HBM (15.75G)".
+_OUT_OF_MEMORY = (
+    re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm", re.IGNORECASE),
+    re.compile(r"\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)", re.IGNORECASE),
+)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -279,7 +301,7 @@ def _does_not_fit(error):
     text = str(error)
     if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
         return None
-    match = _OUT_OF_MEMORY.search(text)
+    match = next((m for m in (p.search(text) for p in _OUT_OF_MEMORY) if m), None)
     needed = available = None
     if match:
         needed = float(match.group(1)) * _UNITS[match.group(2).upper()]
@@ -365,3 +387,45 @@ def host_transfers(hlo):
         if op in _HOST_OPS or "is_host_transfer=true" in line or (op == "custom-call" and _HOST_CALLS.search(line)):
             found.append(line.strip()[:200])
     return found
+
+
+_TILE = re.compile(r"^\{([\d,]*):T\(([\d,]+)\)")
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
+
+
+def padded_shape(instruction):
+    """The shape of `instruction`'s array as the chip stores it: its first tile (the layout's `T(a,b)`) rounds
+    the most minor dimension up to a multiple of b and the next one up to a multiple of a."""
+    match = _TILE.match(instruction.layout)
+    shape = list(instruction.shape)
+    if not match or not shape:
+        return tuple(shape)
+    order = [int(d) for d in match.group(1).split(",") if d]  # minor to major
+    tile = [int(t) for t in match.group(2).split(",")]
+    for dim, size in zip(order, reversed(tile)):
+        shape[dim] = -(-shape[dim] // size) * size
+    return tuple(shape)
+
+
+def attention_padding(hlo):
+    """What the chip's tiling adds to the attention's matmul outputs (logits, probabilities times values, and
+    their gradients): {"logical_bytes", "padded_bytes", "ratio", "shapes": {logical: padded}}."""
+    logical = padded = 0
+    shapes = {}
+    for instruction, _ in matmuls(hlo):
+        if "/attention/" not in instruction.op_name or "dot_general" not in instruction.op_name:
+            continue
+        size = _BYTES.get(instruction.dtype, 4)
+        stored = padded_shape(instruction)
+        logical += size * _product(instruction.shape)
+        padded += size * _product(stored)
+        shapes[str(instruction.shape)] = str(stored)
+    return {"logical_bytes": logical, "padded_bytes": padded, "ratio": padded / logical if logical else None,
+            "shapes": shapes}  # fmt: skip
+
+
+def _product(shape):
+    result = 1
+    for n in shape:
+        result *= n
+    return result

@@ -30,6 +30,7 @@ SHARED_FIXTURES = {
     "failed_writes": 15,
     "small_saved_model": 15,
     "serving_exports": 30,  # two SavedModels of a small model
+    "compiled_steps": None,  # the TPU compiler's tier (-m tpu_compile) only
     "deployed_service": 30,  # a tf.data service dispatcher and two worker processes (9-16 s here)
 }
 # Timeouts (pytest-timeout, the test's own call; a shared fixture's processes have their own): a test marked
@@ -47,6 +48,8 @@ FAST_TIMEOUT, SLOW_TIMEOUT = 180, 300
 # A test's time depends on what runs beside it on the other worker (twice its time alone is common; the input
 # benchmark's tests, 6 s alone and 3x that beside another, are slow for that); FAST_TEST_SECONDS leaves room.
 FAST_TIER_SECONDS, FAST_TEST_SECONDS, CHILD_SECONDS, SUITE_SECONDS = 240, 15, 60, 1200
+# The TPU compiler's tier (`-m tpu_compile`, its own environment in .ci/run) fails past this.
+TPU_COMPILE_TIER_SECONDS = 180
 # The budgets are seconds of the machine they were set on (2 cores of an AVX-512 Xeon), where `reference_workload`
 # takes REFERENCE_SECONDS. On a slower machine (the same suite took 1.8x as long on another CI machine of the same
 # size) they stretch by how much longer the workload takes there, up to MAX_STRETCH: a slower machine does not fail
@@ -171,6 +174,8 @@ class Budgets:
                 limit = setup_budget(group) if when == "setup" else FAST_TEST_SECONDS
                 if seconds > limit * self.stretch:
                     found.append(f"{nodeid} ({when}) took {seconds:.1f} s, more than its {budget(limit)}")
+        elif tier == "tpu_compile" and wall > TPU_COMPILE_TIER_SECONDS * self.stretch:
+            found.append(f"the TPU compiler's tier took {wall:.0f} s, more than {budget(TPU_COMPILE_TIER_SECONDS)}")
         elif not tier and wall > SUITE_SECONDS * self.stretch:
             found.append(f"the suite took {wall:.0f} s, more than {budget(SUITE_SECONDS)}")
         return found

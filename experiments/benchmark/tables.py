@@ -20,7 +20,7 @@ import sys
 
 from experiments.benchmark.results import RESULTS, ROOT, read_rows, write_text
 
-PAGES = ("README.md", "docs/performance.md")
+PAGES = ("README.md", "docs/performance.md", "docs/distributed.md")
 REGION = re.compile(r"(<!-- results:(?P<view>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
 # The peers in the order of their columns, with their names in the headers.
 PEER_LABELS = {"keras_hub": "keras-hub", "timm": "timm (eager)", "timm_compiled": "timm (torch.compile)"}
@@ -54,6 +54,8 @@ VIEWS = {
     "cpu_amx": View("cpu.jsonl", has=("amx_tile",)),
     "cpu_avx2": View("cpu.jsonl", has=("avx2",), lacks=("avx512f",)),
     "cpu_input": View("cpu.jsonl", modes=("input",)),
+    # `python -m experiments.tpu_compile` rows: steps compiled for TPU slices (rows of their own, not runs).
+    "tpu_compile": View("tpu_compile.jsonl", modes=("tpu_compile",)),
 }
 # big_vision's ViT-S/16 ImageNet run: 90 epochs in about 7 hours on a TPU v3-8 (Beyer et al. 2022).
 RECIPE_IMAGES_PER_SECOND = 4_600
@@ -230,12 +232,76 @@ def input_table(rows):
     return text + "\n\n" + "\n".join(f"- {note}" for note in notes) + "\n\n"
 
 
+def tpu_compile_key(row):
+    """What a compile row answered: rows with the same key answered the same question."""
+    return (row["variant"], row["image_size"], row["topology"], row["layout"], row["mode"], row["precision"],
+            "search" in row, None if "search" in row else row["global_batch"])  # fmt: skip
+
+
+def tpu_compile_table(rows):
+    """The Markdown of `experiments.tpu_compile` rows: the last row of each question, a line each, and the
+    command that reproduces it."""
+    by_key = {}
+    for row in rows:
+        by_key[tpu_compile_key(row)] = row
+    header = ["model", "slice", "layout", "global batch (per chip)", "GiB per chip (of HBM)", "recomputed",
+              "beyond it", "TFLOP per chip-step", "images/s per chip at 50% of peak", "host cores per chip: "
+              "needed / VM has", "compile s"]  # fmt: skip
+    lines, commands = [], []
+    for number, row in enumerate(by_key.values(), 1):
+        gib = row["bytes_per_chip"]["total"] / 2**30
+        batch = f"{row['global_batch']:,} ({row['batch_per_chip']:g})" + (" largest" if "search" in row else "")
+        beyond = "—"
+        if "search" in row:
+            twice = row["search"]["twice"]
+            beyond = (f"{twice['global_batch']:,}: +{100 * twice['recompute_overhead']:.0f}% FLOPs"
+                      if twice["compiles"] else f"{twice['global_batch']:,}: does not compile")  # fmt: skip
+        feed = row.get("input") or {}
+        mesh = "x".join(str(n) for n in row["mesh"].values())
+        model = f"{row['variant']} {row['image_size']} px, {row['precision']}" + (
+            ", serving" if row["mode"] == "serve" else "")
+        lines.append([
+            f"{model} [{number}]", f"{row['topology']} ({row['chips']} chips)", f"{row['layout']} ({mesh})",
+            batch + ("" if row["fits"] else ", **does not fit**"),
+            f"{gib:.1f} ({row['hbm_bytes_per_chip'] / 2**30:.0f})", f"{100 * row['recompute_overhead']:+.1f}%",
+            beyond, f"{row['flops_per_chip'] / 1e12:.2f}",
+            f"{feed['chip_images_per_second_at_half_peak']:,.0f}" if feed else "—",
+            f"{feed['host_cores_needed_per_chip']:.1f} / {feed['host_cores_per_chip']:.0f}" if feed else "—",
+            f"{row['compile_seconds']:.0f}",
+        ])  # fmt: skip
+        versions, host = row["versions"], row["host"]
+        commands.append(f"{number}. `{row['command']}` ({row['date'][:10]}, commit {(row['commit'] or '')[:7]}"
+                        f"{' with local changes' if row.get('dirty') else ''}; jax {versions['jax']}, libtpu "
+                        f"{versions['libtpu']}; {host['cpu']}, {host['cores']} cores)")  # fmt: skip
+    if not lines:
+        return "No results yet.\n"
+    text = "\n".join("| " + " | ".join(cells) + " |" for cells in [header, ["---"] * len(header), *lines])
+    inputs = {json_key(r["input"]["input_measured"]): r["input"] for r in by_key.values() if r.get("input")}
+    notes = [f"Input: {i['host_images_per_second_per_core']:.0f} images/s per core of {m['cpu']} ({m['date'][:10]}, "
+             f"`{m['command']}`)." for i, m in ((i, i["input_measured"]) for i in inputs.values())]  # fmt: skip
+    return text + "\n\n" + "\n".join(commands + notes) + "\n\n"
+
+
+def json_key(value):
+    return repr(sorted(value.items()))
+
+
+def read_compile_rows(path):
+    """The rows of results/tpu_compile.jsonl, in order."""
+    import json
+
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def view_text(name, results=RESULTS):
     """The generated text of the region `<!-- results:name -->`."""
     if name not in VIEWS:
         raise ValueError(f"No view named {name!r}; the views: {sorted(VIEWS)}")
     view = VIEWS[name]
     path = pathlib.Path(results) / view.file
+    if view.modes == ("tpu_compile",):
+        return tpu_compile_table(read_compile_rows(path) if path.exists() else [])
     rows = view.select(read_rows(path)) if path.exists() else []
     return input_table(rows) if view.modes == ("input",) else table(rows, name)
 
