@@ -87,7 +87,13 @@ def test_the_recorded_rows_answer_for_the_paper_variants():
         assert row["bytes_per_chip"]["total"] + row["input_bytes_per_chip"] <= row["hbm_bytes_per_chip"]
         twice = row["search"]["twice"]
         assert not twice["compiles"] or twice["recompute_overhead"] > tpu_compile.MAX_RECOMPUTE
+    required = {"variant", "topology", "chips", "chip_kind", "global_batch", "precision", "layout", "compile_seconds",
+                "bytes_per_chip", "hbm_bytes_per_chip", "fits", "flops_per_chip", "analytic_flops_per_chip",
+                "recompute_overhead", "command", "commit", "versions"}  # fmt: skip
     for row in rows:
+        assert required <= set(row), required - set(row)
+        assert set(row["bytes_per_chip"]) >= {"arguments", "outputs", "temporaries", "total"}
+        assert row["recompute_overhead"] == round(row["flops_per_chip"] / row["analytic_flops_per_chip"] - 1, 4)
         assert row["command"].startswith("KERAS_BACKEND=jax python -m experiments.tpu_compile")
         assert row["host_transfers"] == 0
 
