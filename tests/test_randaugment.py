@@ -96,6 +96,25 @@ def test_each_op_is_its_pil_definition_on_photos(name):
                 assert off <= fraction, (photo, magnitude, seed, off)
 
 
+def test_the_forms_traced_for_xla_give_the_same_images_without_xla(monkeypatch):
+    """Traced for XLA (`keras_vit.compat.in_xla_context()`), Rotate, the shears, the translations, AutoContrast, the
+    blends and the random draws take other forms (tests/test_tf_xla.py compiles them). Run as plain TensorFlow
+    they give the images the host's forms give on the photos, so they too are PIL's: the same seeds, signs and
+    boxes, the same pixels."""
+    seeds = [tf.constant(seed, tf.int32) for seed in ([0, 0], [1, 0], [4, 7], [5, 7])]  # 2 of either sign
+    images = {}
+    for xla in (False, True):
+        monkeypatch.setattr(randaugment.compat, "in_xla_context", lambda xla=xla: xla)
+        images[xla] = [
+            apply_op(image, name, magnitude, seed).numpy()
+            for name in RANDAUGMENT_OPS
+            for image in photos().values()
+            for magnitude in (3, 10, 13)
+            for seed in seeds
+        ]
+    assert all(np.array_equal(host, xla) for host, xla in zip(images[False], images[True]))
+
+
 def test_every_op_changes_every_photo_at_m_3():
     """The parity test above is not passed by doing nothing: at M = 3 every op changes every photo."""
     for name in RANDAUGMENT_OPS:

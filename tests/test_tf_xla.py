@@ -17,8 +17,9 @@ the optimizer's update (clipping, weight decay, the layer-wise rates, the moving
 tf.function, not compiled.
 
 RandAugment (`keras_vit.data.randaugment`) runs in the tf.data pipeline (keras_vit/data/pipeline.py), on the host
-CPU, also under TPUStrategy: it is not in the step. Applied on the device it would have to compile; 10 of its 16
-ops do, and the other 6 do not (the strict xfails below, the op and line in each reason).
+CPU, also under TPUStrategy: it is not in the step. Applied on the device it would have to compile, and all 16 of
+its ops do: each, mapped over a batch, gives the images it gives on the host, bit for bit (Rotate and the shears,
+whose host kernel has no XLA form, at many magnitudes and sizes), and so does RandAugment(2, 10) of a batch.
 
 The SavedModel's `serving_images` compiles, but for its `top_k_names` output (strings, which XLA has no type for)
 when the export has class names, as the training job's exports do. `serving_bytes` decodes JPEG/PNG strings: not
@@ -197,26 +198,27 @@ def test_the_training_step_with_every_feature_compiles_with_xla(forms, precision
 
 # === RandAugment on the device ===
 
-# The ops that do not compile, and why (keras_vit/data/randaugment.py).
-RANDAUGMENT_OUTSIDE_XLA = {
-    **dict.fromkeys(
-        ("Rotate", "ShearX", "ShearY"),
-        "ImageProjectiveTransformV3 has no XLA kernel (randaugment.py:157, `_affine`)",
-    ),
-    **dict.fromkeys(
-        ("TranslateX", "TranslateY"),
-        "PadV2's paddings depend on the seed's sign, not a compile-time constant (randaugment.py:185, `_translate`)",
-    ),
-    "Cutout": "Fill's shape (tf.ones of the box's size) and PadV2's paddings depend on the seed, not compile-time "
-    "constants (randaugment.py:120-121, `_box`, from `_cutout` at randaugment.py:314)",
-}
+# The ops that do not compile, and why (keras_vit/data/randaugment.py): none. Three had a TensorFlow kernel that XLA
+# lacks (ImageProjectiveTransformV3, for Rotate, ShearX and ShearY) and three a shape that depends on the seed (the
+# padding of TranslateX and TranslateY, Cutout's box); traced for XLA they now take forms that compile and give
+# the host's pixels (test_the_xla_form_of_rotate_and_shear_is_the_host_kernel_bit_for_bit). Equalize compiled only
+# for an image known when compiling (test_randaugment_op_compiles_with_xla's docstring).
+RANDAUGMENT_OUTSIDE_XLA = {}
+
+# The ops whose result depends on the seed: the sign of the geometric ops, where Cutout's box falls.
+SEEDED = ("Rotate", "ShearX", "ShearY", "TranslateX", "TranslateY", "Cutout")
 
 
 @functools.cache
-def rgb_image():
-    """A uint8 (24, 32, 3) image, not square: random pixels over a gradient, so that every op changes something."""
-    ramp = np.add.outer(np.arange(24), np.arange(32))[:, :, None] * 4
-    return np.clip(ramp + random_images((24, 32, 3), seed=1) // 4, 0, 255).astype(np.uint8)
+def rgb_image(height=24, width=32):
+    """A uint8 (height, width, 3) image: random pixels over a gradient, so that every op changes something."""
+    ramp = np.add.outer(np.arange(height), np.arange(width))[:, :, None] * max(216 // (height + width - 2), 1)
+    return np.clip(ramp + random_images((height, width, 3), seed=1) // 4, 0, 255).astype(np.uint8)
+
+
+def seed_pairs(count):
+    """`count` int32 seed pairs, of both signs for the geometric ops (the first two differ)."""
+    return [tf.constant([seed, 7], tf.int32) for seed in range(4, 4 + count)]
 
 
 @pytest.mark.parametrize(
@@ -229,27 +231,65 @@ def rgb_image():
     ],
 )  # fmt: skip
 def test_randaugment_op_compiles_with_xla(name):
-    """Each op at imagenet_s16's magnitude (10), compiled, gives the image it gives without XLA."""
-    magnitude = imagenet_s16.get_config().augment.randaugment[1]
-    image, seed = tf.constant(rgb_image()), tf.constant([3, 7], tf.int32)
-    compiled = tf.function(lambda image, seed: apply_op(image, name, magnitude, seed), jit_compile=True)
-    result = compiled(image, seed).numpy()
-    expected = apply_op(image, name, magnitude, seed).numpy()
-    assert result.dtype == np.uint8 and result.shape == (24, 32, 3)
-    # The blends may truncate a product that lands on an integer to either side where XLA fuses the multiply-add
-    # (tests/test_randaugment.py's tolerance): 1 level for them, exact for the others.
-    atol = 1 if name in ("Color", "Contrast", "Brightness", "Sharpness") else 0
-    assert np.abs(result.astype(int) - expected.astype(int)).max() <= atol
+    """Each op at imagenet_s16's magnitude (10), at 2 (where TranslateY and Cutout leave part of the 24 x 32 image
+    as it was), 7 and 13, compiled, gives the image it gives without XLA, for 3 images (one twice, with seeds of
+    either sign).
+    (With the products XLA fuses into multiply-adds, AutoContrast of the last image, Contrast and Sharpness at 7
+    and Color at 13 would differ.)
+
+    Mapped over a batch, as on the device: a compiled function's arguments are not compile-time constants
+    there. (Called on one image, XLA compiles the function for the image's values where an op needs them
+    constant: tf.math.bincount's size, which Equalize no longer takes from the data, passed that way.)"""
+    magnitudes = (2, 7, imagenet_s16.get_config().augment.randaugment[1], 13)
+    # The first image twice, with seeds of either sign; the last of levels 38 to 88, for AutoContrast to stretch.
+    images = tf.constant(np.stack([rgb_image(), rgb_image(), 255 - rgb_image(), rgb_image()[::-1, ::-1] // 5 + 37]))
+    batch_seeds = tf.stack(seed_pairs(4))
+
+    def each_image(images, seeds):
+        return tf.map_fn(
+            lambda pair: tf.stack([apply_op(pair[0], name, magnitude, pair[1]) for magnitude in magnitudes]),
+            (images, seeds),
+            fn_output_signature=tf.TensorSpec((4, 24, 32, 3), tf.uint8),
+        )
+
+    result = tf.function(each_image, jit_compile=True)(images, batch_seeds).numpy()
+    expected = each_image(images, batch_seeds).numpy()
+    assert result.dtype == np.uint8 and result.shape == (4, 4, 24, 32, 3)
+    np.testing.assert_array_equal(result, expected)
+    # The seeds reach the compiled ops: the same image with either sign, or another box, and only there.
+    assert np.array_equal(result[0], result[1]) is (name not in SEEDED)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=tf.errors.InvalidArgumentError,
-    reason="tf.switch_case compiles all 16 branches, 6 of which do not compile (RANDAUGMENT_OUTSIDE_XLA)",
-)
+@pytest.mark.parametrize("name", ["Rotate", "ShearX", "ShearY"])
+def test_the_xla_form_of_rotate_and_shear_is_the_host_kernel_bit_for_bit(name):
+    """Compiled, Rotate and the shears compute what TensorFlow's ImageProjectiveTransformV3 computes on the host
+    (and what the PIL parity tests check), pixel for pixel: at 6 magnitudes (5 random, in [0, 15]) on images that
+    are not square, for 4 seeds, in a function traced for static shapes (the usual case: the products of the
+    coefficients are NumPy constants) and in one traced for any size (the products are computed; Rotate's
+    coefficients are tensors).
+
+    M = 8.8 on 64 x 96 puts a source coordinate where a fused multiply-add rounds otherwise than the host's
+    kernel: the form that lets XLA fuse the products differs there (ShearX, ShearY)."""
+    magnitudes = [8.8, *np.random.default_rng(RANDAUGMENT_OPS.index(name)).uniform(0, 15, 5).round(2)]
+
+    def each_magnitude(image, seed):
+        return tf.stack([apply_op(image, name, magnitude, seed) for magnitude in magnitudes])
+
+    any_size = [tf.TensorSpec([None, None, 3], tf.uint8), tf.TensorSpec([2], tf.int32)]
+    for signature, sizes in [(None, [(64, 96), (45, 26)]), (any_size, [(64, 96)])]:
+        host = tf.function(each_magnitude, input_signature=signature)
+        compiled = tf.function(each_magnitude, input_signature=signature, jit_compile=True)
+        for height, width in sizes:
+            image = tf.constant(rgb_image(height, width))
+            for seed in seed_pairs(4):
+                expected = host(image, seed).numpy()
+                np.testing.assert_array_equal(compiled(image, seed).numpy(), expected)
+                assert not np.array_equal(expected[0], rgb_image(height, width))
+
+
 def test_randaugment_of_a_batch_compiles_with_xla():
     """imagenet_s16's RandAugment(2, 10) of a batch, one seed per image, compiled: what applying it on the device
-    would need."""
+    needs. All 16 ops are compiled (tf.switch_case's branches) and the drawn ones give the host's images."""
     num_ops, magnitude = imagenet_s16.get_config().augment.randaugment
     images = tf.constant(np.stack([rgb_image(), 255 - rgb_image()]))
     seeds = tf.constant([[1, 2], [3, 4]], tf.int32)

@@ -10,7 +10,7 @@ The entries, by what they adapt (one module each), what each relies on, and who 
 - Probes for a faster path (`probes`):
   - `onednn_enabled()`: tensorflow.python.util._pywrap_util_port.IsMklEnabled; the kernels layer.
   - `in_xla_context()`: tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext; the kernels
-    layer.
+    layer, and keras_vit.data.randaugment (the forms of its ops that compile with XLA).
 - Frozen and optimised graphs (`graphs`):
   - `convert_variables_to_constants(f)`:
     tensorflow.python.framework.convert_to_constants.convert_variables_to_constants_v2; keras_vit.testing,
@@ -39,8 +39,9 @@ The entries, by what they adapt (one module each), what each relies on, and who 
 
 When what an entry relies on is missing or has another signature, the entry raises `PrivateApiError` (a
 RuntimeError) naming the API, the versions it was written for and the versions installed, rather than doing
-something else. The two probes that only choose a faster path, `onednn_enabled` and `in_xla_context`, answer
-False instead: the plain path is correct everywhere, only slower.
+something else. The two probes, `onednn_enabled` and `in_xla_context`, answer False instead: for the kernels
+layer the plain path is correct everywhere, only slower; RandAugment applied inside an XLA-compiled function
+would then fail to compile (rotate, shear, translate) or draw other numbers, which its canary catches first.
 
 `api_problems(entry)` lists what an entry relies on that the installed versions lack ([] when all is there);
 the canaries assert it is empty.
