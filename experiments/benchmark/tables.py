@@ -186,10 +186,13 @@ def table(rows, platform):
 
 
 def input_table(rows):
-    """The Markdown of the last input-pipeline row: a line per form, the comparisons and where it was measured."""
+    """The Markdown of the last input-pipeline row that measured every form (Model Garden's included, where any
+    did; a run without it, e.g. for `experiments.tpu_compile --with_input`, does not replace the comparison): a
+    line per form, the comparisons and where it was measured."""
     if not rows:
         return "No results yet.\n"
-    row = rows[-1]
+    complete = [row for row in rows if set(INPUT_FORMS) <= set(row["figures"]["images_per_second"])]
+    row = (complete or rows)[-1]
     figures, config = row["figures"], row["config"]
     randaugment = ", ".join(config.get("randaugment") or [])
     header = [f"form ({config['image_size']} px, batch {config['batch_size']})", "images/s", "per core",
