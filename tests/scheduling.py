@@ -47,7 +47,10 @@ FAST_TIMEOUT, SLOW_TIMEOUT = 180, 300
 # sit well above what the two take today (under 3 and about 15 minutes on 2 cores), and come down as they do.
 # A test's time depends on what runs beside it on the other worker (twice its time alone is common; the input
 # benchmark's tests, 6 s alone and 3x that beside another, are slow for that); FAST_TEST_SECONDS leaves room.
-FAST_TIER_SECONDS, FAST_TEST_SECONDS, CHILD_SECONDS, SUITE_SECONDS = 240, 15, 60, 1200
+# The suite's limit is higher than its aim: on a 2-core AMD EPYC with AVX2 only (TensorFlow's oneDNN off) the
+# whole suite took about 1,490 s while the reference workload below took 0.33 s (no stretch): the workload does
+# not see TensorFlow's CPU kernels, which run several times slower there than on the budgets' machine.
+FAST_TIER_SECONDS, FAST_TEST_SECONDS, CHILD_SECONDS, SUITE_SECONDS = 240, 15, 60, 1800
 # The TPU compiler's tier (`-m tpu_compile`, its own environment in .ci/run) fails past this.
 TPU_COMPILE_TIER_SECONDS = 180
 # The budgets are seconds of the machine they were set on (2 cores of an AVX-512 Xeon), where `reference_workload`
