@@ -26,6 +26,7 @@ negative for whole training steps), so nothing here reads it.
 """
 
 import dataclasses
+import math
 import os
 import re
 import time
@@ -417,15 +418,9 @@ def attention_padding(hlo):
             continue
         size = _BYTES.get(instruction.dtype, 4)
         stored = padded_shape(instruction)
-        logical += size * _product(instruction.shape)
-        padded += size * _product(stored)
+        logical += size * math.prod(instruction.shape)
+        padded += size * math.prod(stored)
         shapes[str(instruction.shape)] = str(stored)
     return {"logical_bytes": logical, "padded_bytes": padded, "ratio": padded / logical if logical else None,
             "shapes": shapes}  # fmt: skip
 
-
-def _product(shape):
-    result = 1
-    for n in shape:
-        result *= n
-    return result
