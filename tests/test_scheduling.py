@@ -108,6 +108,10 @@ def test_the_budgets_stretch_on_a_slower_machine_up_to_a_limit(monkeypatch):
     assert scheduling.machine_stretch(reference / 2) == 1.0  # A faster machine keeps the budgets as set.
     assert scheduling.machine_stretch(reference * 1.8) == pytest.approx(1.8)
     assert scheduling.machine_stretch(reference * 10) == scheduling.MAX_STRETCH
+    # TensorFlow's kernels slower than the Python and NumPy part: the slower of the two sets the stretch.
+    kernels = scheduling.TENSORFLOW_REFERENCE_SECONDS
+    assert scheduling.machine_stretch(reference / 2, kernels * 1.7) == pytest.approx(1.7)
+    assert scheduling.machine_stretch(reference * 1.2, kernels / 2) == pytest.approx(1.2)
     tier = config("not slow")
     test_limit = scheduling.FAST_TEST_SECONDS
     slower = budgets(report("tests/test_x.py::test_a", "call", test_limit * 1.5), wall=scheduling.FAST_TIER_SECONDS)
@@ -122,8 +126,10 @@ def test_the_budgets_stretch_on_a_slower_machine_up_to_a_limit(monkeypatch):
     assert grown.overruns(config()) == [f"the suite took {took} s, more than {limit} s x1.80"]
     grown.stretch = 1.0
     assert grown.overruns(config()) == [f"the suite took {took} s, more than {limit} s"]
-    # The workload itself: a fixed piece of Python and float32 arithmetic that takes a measurable time.
+    # The workloads themselves: fixed pieces of Python and float32 arithmetic, and of TensorFlow's kernels, that
+    # take a measurable time.
     assert 0.0 < scheduling.reference_workload() < 60.0
+    assert 0.0 < scheduling.tensorflow_workload() < 60.0
 
 
 def test_an_environment_that_runs_in_anothers_child_is_grouped_with_it():
