@@ -6,12 +6,13 @@ r"""Trains a ViT with `model.fit` and writes the model and its metrics.
 
 Writes into --workdir: `model.keras` (the trained model), `best.keras` (the
 epoch with the best accuracy on the validation split), `metrics.json`,
-`history.json` (this process's epochs), `log.csv` (every epoch, across
-restarts), `tensorboard/`, `figures/` (with --config.visualize: the attention
-and embedding figures of `keras_vit.visualize` for a few test images) and,
-while it runs, `backup/` (the state of an interrupted run; `fit` resumes from
-it, at its step, when the same command is run again).  SIGTERM and SIGINT
-stop the run after the step in flight with a backup (exit status 143, 130); a
+`history.json` and `log.csv` (every epoch, across restarts), `tensorboard/`,
+`figures/` (with --config.visualize: the attention and embedding figures of
+`keras_vit.visualize` for a few test images) and, while it runs, `backup/`
+(the state of an interrupted run; the same command run again resumes from it:
+the rest of the interrupted epoch, then the uninterrupted run's epochs).
+SIGTERM and SIGINT stop the run after the step in flight with a backup and no
+validation (exit status 143, 130); a
 workdir that holds a finished run is refused unless --overwrite; a wrong flag,
 config field or value is one message and exit status 2.  --help lists every
 config field with its default.
@@ -25,12 +26,10 @@ data behind each split under "splits".
 """
 
 import contextlib
-import csv
 import dataclasses
 import json
 import os
 import signal
-import time
 import warnings
 
 import keras
@@ -39,10 +38,10 @@ from absl import app, flags, logging
 
 import keras_vit
 from experiments import config_checks, datasets, evaluations, jobs, models, outputs
-from keras_vit import backups, distribute, evaluation, export, parallel, training, visualize
+from keras_vit import backups, distribute, evaluation, export, parallel, visualize
+from keras_vit import callbacks as vit_callbacks
 from keras_vit.distribute import STRATEGIES, get_strategy, is_chief
 from keras_vit.files import atomic_path
-from keras_vit.preemption import StopOnSignal, any_process
 
 
 def define_flags():
@@ -72,30 +71,6 @@ def define_flags():
             "overwrite", False, "Delete what --workdir holds first, a finished run included, and train from scratch."
         ),
     }
-
-
-class Throughput(keras.callbacks.Callback):
-    """Times the training steps of each epoch (validation excluded).
-
-    The first epoch (tracing and XLA compilation) is left out of the rate.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.epoch_seconds = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = self.last_step = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.last_step = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.epoch_seconds.append(self.last_step - self.start)
-
-    def images_per_second(self, images_per_epoch):
-        timed = self.epoch_seconds[1:] or self.epoch_seconds
-        return images_per_epoch * len(timed) / sum(timed)
 
 
 EXPORTS = ("saved_model", "tflite", "tflite_float16", "tflite_dynamic", "tflite_int8", "onnx")
@@ -129,25 +104,45 @@ def export_model(model, kind, workdir, dataset, config):
     )
 
 
-def _process_index():
-    """This process's index among the hosts of a multi-host JAX job; 0 otherwise."""
-    if keras.backend.backend() == "jax":
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where the job runs, decided once (`topology`) and read by every stage: the backend, the tf.distribute
+    strategy (TensorFlow; None on the other backends), whether this process is the chief (it writes the job's
+    outputs; the others write theirs under workers/WORKER), this process's index and how many train together."""
+
+    backend: str
+    strategy: object
+    chief: bool
+    worker: int
+    workers: int
+
+    def agree(self):
+        """The function every process calls after each step so that a signal stops them all at one step
+        (`keras_vit.callbacks.StopOnSignal`'s `agree`); None for one process."""
+        if self.workers < 2:
+            return None
+        return vit_callbacks.any_process() if self.backend == "jax" else distribute.any_replica(self.strategy)
+
+
+def topology(strategy=None):
+    """The job's `Topology`: on TensorFlow `strategy` (by default one device) and its cluster; on JAX the
+    processes of `keras.distribution`; otherwise one process. A strategy on another backend is refused."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        strategy = strategy or get_strategy("one_device")
+        worker = getattr(getattr(strategy, "cluster_resolver", None), "task_id", None) or 0
+        return Topology(backend, strategy, is_chief(strategy), worker, distribute.num_workers(strategy))
+    if strategy is not None:
+        raise ValueError(
+            f"A tf.distribute strategy needs Keras' TensorFlow backend; this is {backend!r}. "
+            "On JAX, set a keras.distribution (keras_vit.parallel.make_distribution). "
+            f"Received: strategy={strategy!r}"
+        )
+    if backend == "jax":
         import jax
 
-        return jax.process_index()
-    return 0
-
-
-def best_logged(workdir, best_path):
-    """For a run that resumes from its backup: the best val_accuracy of the epochs in log.csv, so that
-    best.keras is only replaced by a better epoch; None (no threshold) for a run that starts afresh."""
-    log_path = tf.io.gfile.join(workdir, "log.csv")
-    if not all(tf.io.gfile.exists(p) for p in (tf.io.gfile.join(workdir, "backup"), best_path, log_path)):
-        return None
-    with tf.io.gfile.GFile(log_path) as f:
-        rows = list(csv.DictReader(f))
-    values = [float(row["val_accuracy"]) for row in rows if row.get("val_accuracy")]
-    return max(values) if values else None
+        return Topology(backend, None, jax.process_index() == 0, jax.process_index(), jax.process_count())
+    return Topology(backend, None, True, 0, 1)
 
 
 @dataclasses.dataclass
@@ -156,12 +151,17 @@ class Run:
 
     config: object
     workdir: str
-    strategy: object  # A tf.distribute.Strategy on TensorFlow; None on the other backends.
+    topology: Topology
     dataset: object  # datasets.Data
     steps_per_epoch: int
     steps_per_execution: int
     exports: list
-    overwrite: bool = False  # Whether build_model deletes what the work directory holds first.
+    overwrite: bool = False  # Whether `make_workdir` deletes what the work directory holds first.
+
+    @property
+    def strategy(self):
+        """The tf.distribute strategy (TensorFlow); None on the other backends."""
+        return self.topology.strategy
 
     @property
     def scope(self):
@@ -169,33 +169,36 @@ class Run:
         return contextlib.nullcontext if self.strategy is None else self.strategy.scope
 
     @property
+    def total_steps(self):
+        return self.config.epochs * self.steps_per_epoch
+
+    @property
     def best_path(self):
         return tf.io.gfile.join(self.workdir, "best.keras")
 
 
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Where the run starts: `restore`'s answer, read by every stage after it."""
+
+    step: int  # the steps trained
+    epoch: int  # the epoch in progress at `step`
+    resumed: backups.Resumed  # what the backup held (all zeros and None for a run that starts afresh)
+
+    def steps_into_epoch(self, steps_per_epoch):
+        return self.step - self.epoch * steps_per_epoch
+
+
 @dataclasses.dataclass
 class Fitting:
-    """The `fit` callbacks of a run, and those the other stages read or set."""
+    """The `fit` callbacks of a run, and those the other stages read."""
 
     callbacks: list
-    throughput: Throughput
+    throughput: vit_callbacks.Throughput
     selects: bool  # Whether best.keras is chosen on the validation split.
-    backup: backups.Backup
-    stop: StopOnSignal
-    log: training.CSVLog
-
-
-class StopAtStep(keras.callbacks.Callback):
-    """Stops `fit` once `backup.step` reaches `total`: a run resumed mid-epoch runs the schedule's steps and no
-    more (its epochs end where the resumed run's steps fill them; its last one is shorter)."""
-
-    def __init__(self, backup, total):
-        super().__init__()
-        self.backup, self.total = backup, total
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.backup.step >= self.total:
-            self.model.stop_training = True
+    backup: vit_callbacks.Backup
+    stop: vit_callbacks.StopOnSignal
+    log: vit_callbacks.CSVLog
 
 
 def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrite=False):
@@ -209,20 +212,24 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrit
     (`FinishedRunError`) unless `overwrite`, which deletes it first; one that
     holds an interrupted run's backup resumes it.
 
-    The stages, each a function of its own: `prepare_run` (every check, the data; nothing written),
-    `build_model` (seeded, compiled, under the strategy's scope), `fit_callbacks`, `fit` (resumed from the
-    run's backup) and `report` (the test split, model.keras, metrics.json, figures, exports, best.keras).
+    The stages, each a function of its own, in order: `prepare_run` (where it runs, every check, the data;
+    nothing written), `make_workdir`, `build_model` (seeded, compiled, under the strategy's scope), `restore`
+    (the backup's state, if any: the step every later stage starts from), `fit_callbacks` (made from that
+    step), `fit` (the rest of an interrupted epoch, then the epochs after it) and `report` (the test split,
+    model.keras, metrics.json, figures, exports, best.keras).
     """
     run = prepare_run(config, workdir, strategy, overwrite=overwrite)
+    make_workdir(run)
     model = build_model(run)
-    fitting = fit_callbacks(run, model, callbacks)
+    start = restore(run, model)
+    fitting = fit_callbacks(run, model, start, callbacks)
     with warnings.catch_warnings():
         # Keras warns so at the end of every split of unknown length (images that fail to decode are skipped,
         # so an image set's validation and test splits have none) the first time it reads it; the training
         # data is endless, so the warning can only be about those.
         warnings.filterwarnings("ignore", message="Your input ran out of data")
-        history = fit(run, model, fitting)
-        return report(run, model, history, fitting)
+        fit(run, model, start, fitting)
+        return report(run, model, fitting)
 
 
 class FinishedRunError(ValueError):
@@ -246,36 +253,25 @@ def _check_not_finished(workdir):
 
 
 def prepare_run(config, workdir, strategy=None, *, overwrite=False):
-    """Every check and the data, before anything is written: a bad value fails here, before a work directory is
-    made or a file replaced. A worker that is not the chief writes under workdir/workers/INDEX."""
+    """Where the job runs (`topology`), every check and the data, before anything is written: a bad value fails
+    here, before a work directory is made or a file replaced. A worker that is not the chief writes under
+    workdir/workers/INDEX."""
     config_checks.check_config(config)
-    if keras.backend.backend() == "tensorflow":
-        strategy = strategy or get_strategy("one_device")
-        chief = is_chief(strategy)
-        worker = getattr(getattr(strategy, "cluster_resolver", None), "task_id", 0)
-    elif strategy is not None:
-        raise ValueError(
-            f"A tf.distribute strategy needs Keras' TensorFlow backend; this is {keras.backend.backend()!r}. "
-            "On JAX, set a keras.distribution (keras_vit.parallel.make_distribution). "
-            f"Received: strategy={strategy!r}"
-        )
-    else:
-        worker = _process_index()
-        chief = worker == 0
+    where = topology(strategy)
     if not overwrite:
         _check_not_finished(workdir)
-    if not chief:
+    if not where.chief:
         # Every worker runs the same program; only the chief writes the job's
         # outputs, the others write theirs apart (each its own backups too).
-        workdir = tf.io.gfile.join(workdir, "workers", str(worker))
+        workdir = tf.io.gfile.join(workdir, "workers", str(where.worker))
     exports = export_kinds(config)
-    if exports and keras.backend.backend() != "tensorflow":
+    if exports and where.backend != "tensorflow":
         raise ValueError(
             f"config.export={config.export!r} needs Keras' TensorFlow backend (exports are TensorFlow "
-            f"graphs); this is {keras.backend.backend()!r}. Export the saved model.keras from a "
+            f"graphs); this is {where.backend!r}. Export the saved model.keras from a "
             "TensorFlow process: python -m experiments.export."
         )
-    dataset = datasets.load_data(config, strategy)
+    dataset = datasets.load_data(config, where.strategy)
     steps_per_epoch = dataset.num_train // config.batch_size
     if steps_per_epoch < 1:
         raise ValueError(
@@ -300,17 +296,22 @@ def prepare_run(config, workdir, strategy=None, *, overwrite=False):
             "No validation split (config.validation_fraction=0 and no validation_split): no per-epoch "
             "validation and no best.keras."
         )
-    return Run(config, workdir, strategy, dataset, steps_per_epoch, steps_per_execution, exports, overwrite and chief)
+    return Run(config, workdir, where, dataset, steps_per_epoch, steps_per_execution, exports,
+               overwrite and where.chief)  # fmt: skip
 
 
-def build_model(run):
-    """The run's model, compiled, under the strategy's scope: the work directory made, the seed and the dtype
-    policy set first; the pretrained weights, the frozen backbone, MixUp/CutMix and accumulation as asked."""
-    config, dataset = run.config, run.dataset
+def make_workdir(run):
+    """Makes the work directory; with --overwrite, deletes what it held first."""
     if run.overwrite and tf.io.gfile.exists(run.workdir):
         logging.warning("--overwrite: deleting %s and what it holds.", run.workdir)
         tf.io.gfile.rmtree(run.workdir)
     tf.io.gfile.makedirs(run.workdir)
+
+
+def build_model(run):
+    """The run's model, compiled, under the strategy's scope, the seed and the dtype policy set first; the
+    pretrained weights, the frozen backbone, MixUp/CutMix and accumulation as asked."""
+    config, dataset = run.config, run.dataset
     keras.utils.set_random_seed(config.seed)
     keras.mixed_precision.set_global_policy(config.precision)
     with run.scope():
@@ -320,59 +321,80 @@ def build_model(run):
             keras_vit.load_pretrained(model, config.pretrained, interpolation=config.interpolation)
         if config.freeze_backbone:
             keras_vit.freeze_backbone(model)  # A linear probe: only the head trains.
-        total_steps = config.epochs * run.steps_per_epoch
         warmup_steps = config.warmup_steps or config.warmup_epochs * run.steps_per_epoch
         models.compile_model(
             model,
             config,
-            models.make_optimizer(config, total_steps, warmup_steps, model=model),
+            models.make_optimizer(config, run.total_steps, warmup_steps, model=model),
             # Several steps per call: what keeps a TPU busy; whole executions per epoch.
             steps_per_execution=run.steps_per_execution,
         )  # With config.augment's MixUp/CutMix and config.grad_accum_steps in the training step.
     return model
 
 
-def fit_callbacks(run, model, extra=()):
-    """`fit`'s callbacks: the backup, the NaN stop, model selection (best.keras, written whole or not at all),
-    the logs, the throughput, the epoch figures and, with config.ema_momentum, the moving average (validated,
+def restore(run, model):
+    """The newest usable backup of an interrupted run loaded into `model` (weights, optimizer, random
+    generators), and where the run starts (`Start`); a run that starts at step 0 removes what an earlier attempt
+    that left no backup logged."""
+    folder = tf.io.gfile.join(run.workdir, "backup")
+    with run.scope():  # The optimizer's variables are made (and loaded) where the strategy places them.
+        resumed = backups.restore_state(model, folder)
+    step = resumed.step if resumed.step is not None else resumed.epoch * run.steps_per_epoch
+    epoch = step // run.steps_per_epoch
+    if step:
+        logging.info("Resuming from %s at step %d of %d (epoch %d of %d, step %d of %d).", folder, step,
+                     run.total_steps, epoch + 1, run.config.epochs, step - epoch * run.steps_per_epoch,
+                     run.steps_per_epoch)  # fmt: skip
+    else:
+        _clear_earlier_attempt(run.workdir)
+    return Start(step, epoch, resumed)
+
+
+def fit_callbacks(run, model, start, extra=()):
+    """`fit`'s callbacks, made from where the run starts: the backup, the stop on a signal, the NaN stop, model
+    selection (best.keras, written whole or not at all, beating the best epoch logged before `start`), the log,
+    the progress, the throughput, the epoch figures and, with config.ema_momentum, the moving average (validated,
     checkpointed and shown in the figures: the callbacks between `ema` and `ema.restorer()`); `extra` last."""
     config, dataset, workdir = run.config, run.dataset, run.workdir
-    throughput = Throughput()
-    ema = training.EMAWeights() if config.ema_momentum else None
+    throughput = vit_callbacks.Throughput()
+    ema = vit_callbacks.EMAWeights() if config.ema_momentum else None
     averaged, restored = ([ema], [ema.restorer()]) if ema else ([], [])
+    # An epoch is logged once: a resumed run goes on from the rows of the epochs before the one it resumes in.
+    log = vit_callbacks.CSVLog(tf.io.gfile.join(workdir, "log.csv"), first_epoch=start.epoch)
+    logged = log.read().get("val_accuracy") if tf.io.gfile.exists(run.best_path) else None
     selection = []
     if dataset.validation is not None:
-        selection = [training.AtomicModelCheckpoint(
+        selection = [vit_callbacks.AtomicModelCheckpoint(
+            # best.keras is replaced only by an epoch better than those it was chosen among.
             run.best_path, monitor="val_accuracy", save_best_only=True,
-            initial_value_threshold=best_logged(workdir, run.best_path),
+            initial_value_threshold=max(logged) if logged else None,
         )]
     epoch_figures = []  # After Throughput: their time is not the training's.
     if dataset.validation is not None and config.tensorboard_figures:
-        epoch_figures = [evaluation.TensorBoardFigures(
+        epoch_figures = [vit_callbacks.TensorBoardFigures(
             tf.io.gfile.join(workdir, "tensorboard"), dataset.validation, num_images=config.tensorboard_figures,
             max_figures=config.tensorboard_figure_epochs or None,
         )]
-    backup = backups.Backup(
+    backup = vit_callbacks.Backup(
         tf.io.gfile.join(workdir, "backup"),
         save_freq="epoch" if config.backup_every == "epoch" else int(config.backup_every),
         save_seconds=config.backup_minutes * 60 or None,
+        total_steps=run.total_steps,
+        resumed=start.resumed if start.steps_into_epoch(run.steps_per_epoch) else None,
+        start_step=start.step,
     )
-    workers = _workers(run.strategy)
     # Several workers stop together: each asks the others after every step (one collective of one integer).
-    agree = None
-    if workers > 1:
-        agree = any_process() if keras.backend.backend() == "jax" else distribute.any_replica(run.strategy)
-    stop = StopOnSignal(backup, config.grace_seconds, workers=workers, agree=agree)
-    log = training.CSVLog(tf.io.gfile.join(workdir, "log.csv"))
+    stop = vit_callbacks.StopOnSignal(backup, config.grace_seconds, workers=run.topology.workers,
+                                      agree=run.topology.agree())  # fmt: skip
     callbacks = [
         backup,  # First: the others read its step.
         stop,
-        StopAtStep(backup, config.epochs * run.steps_per_epoch),
         keras.callbacks.TerminateOnNaN(),
         *averaged,
         *selection,
         log,
         keras.callbacks.TensorBoard(tf.io.gfile.join(workdir, "tensorboard")),
+        vit_callbacks.Progress(start.step),
         throughput,
         *epoch_figures,
         *restored,
@@ -381,56 +403,52 @@ def fit_callbacks(run, model, extra=()):
     return Fitting(callbacks, throughput, bool(selection), backup, stop, log)
 
 
-def _workers(strategy):
-    """How many processes train together: a multi-worker strategy's workers, JAX's processes, else 1."""
-    if keras.backend.backend() == "jax":
-        import jax
+def fit(run, model, start, fitting):
+    """`model.fit` on the training split from `start`, validated on the validation split (never the test split).
 
-        return jax.process_count()
-    return distribute.num_workers(strategy)
-
-
-def fit(run, model, fitting):
-    """`model.fit` on the training split, validated on the validation split (never the test split).
-
-    A run started again with the same command resumes from its newest usable backup at the step it was
-    written (weights, optimizer and step together; the digits' batches those of the uninterrupted run from
-    that step), losing at most the steps since (`backup_every`, `backup_minutes`); one stopped by SIGTERM or
-    SIGINT wrote its backup after the step in flight and raises `jobs.Stopped`."""
-    config, folder = run.config, tf.io.gfile.join(run.workdir, "backup")
-    with run.scope():  # The optimizer's variables are made (and loaded) where the strategy places them.
-        epoch, step, input_position = backups.restore_state(model, folder)
-    if step is None:  # A backup that recorded no step: written at an epoch's end.
-        step = epoch * run.steps_per_epoch
-    total, first_epoch = config.epochs * run.steps_per_epoch, step // run.steps_per_epoch
-    if step:
-        logging.info("Resuming from %s at step %d of %d (epoch %d of %d).", folder, step, total, first_epoch + 1,
-                     config.epochs)  # fmt: skip
-    else:
-        _clear_earlier_attempt(run.workdir)
-    batches, positions = run.dataset.train_from(step, input_position)
-    if step and positions is not None and input_position is None:
-        logging.warning("The backup does not say where the input was: the input starts new passes over the files.")
-    fitting.backup.start_step, fitting.log.first_epoch = step, first_epoch
-    fitting.backup.input_position = positions.after if positions is not None else None
-    history = model.fit(
-        batches,
-        epochs=config.epochs,
-        initial_epoch=first_epoch,
-        # Image sets repeat: each host runs the same steps whatever its share of skipped files.
-        steps_per_epoch=run.steps_per_epoch,
-        validation_data=run.dataset.validation,
-        callbacks=fitting.callbacks,
-        shuffle=False,  # The pipelines shuffle.
-        verbose=config.verbose,  # 1: a progress bar, 2: a line per epoch (logs)
-    )
+    A run resumed mid-epoch first runs the rest of that epoch (its steps, its validation, its logs), then the
+    epochs after it: the epochs, their logs and the best epoch are those of the uninterrupted run, and so are
+    the weights (the digits' batches are those of the uninterrupted run from any step, an image set's read on
+    from the position its backup saved).  A run stopped by SIGTERM or SIGINT wrote its backup after the step in
+    flight, did not validate, and raises `jobs.Stopped`."""
+    config, spe = run.config, run.steps_per_epoch
+    # One list for every `fit` of the run: the callbacks see the run's epochs and steps per epoch.
+    callback_list = vit_callbacks.RunCallbacks(fitting.callbacks, model=model, epochs=config.epochs, steps=spe,
+                                               verbose=config.verbose)  # fmt: skip
+    step, position = start.step, start.resumed.input
+    try:
+        while step < run.total_steps:
+            epoch, into = divmod(step, spe)
+            batches, positions = run.dataset.train_from(step, position)
+            if step and position is None and positions is not None:
+                logging.warning("The backup does not say where the input was: the input starts new passes.")
+            fitting.backup.input_position = positions.after if positions is not None else None
+            model.fit(
+                batches,
+                epochs=epoch + 1 if into else config.epochs,
+                initial_epoch=epoch,
+                # Image sets repeat: each host runs the same steps whatever its share of skipped files.
+                steps_per_epoch=spe - into,
+                validation_data=run.dataset.validation,
+                callbacks=callback_list,
+                shuffle=False,  # The pipelines shuffle.
+                verbose=config.verbose,  # 1: a progress bar, 2: a line per epoch (logs)
+            )
+            if fitting.stop.signal_number is not None or model.stop_training:
+                break
+            step = fitting.backup.step
+            position = positions.after(step) if positions is not None else None
+    except vit_callbacks.StoppedBySignal:
+        pass  # The backup is written; what the callbacks hold open (TensorBoard's writers) closes below.
+    finally:
+        callback_list.end()
     stop = fitting.stop
     if stop.signal_number is not None:
         raise jobs.Stopped(
-            f"Stopped by {signal.Signals(stop.signal_number).name} at step {fitting.backup.step} of {total}; "
-            f"the state is in {stop.backup_path}. Run the same command to resume from it.", stop.exit_code(),
+            f"Stopped by {signal.Signals(stop.signal_number).name} at step {fitting.backup.step} of "
+            f"{run.total_steps}; the state is in {stop.backup_path}. Run the same command to resume from it.",
+            stop.exit_code(),
         )
-    return history
 
 
 def _clear_earlier_attempt(workdir):
@@ -443,10 +461,11 @@ def _clear_earlier_attempt(workdir):
             (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
 
 
-def report(run, model, history, fitting):
+def report(run, model, fitting):
     """After training (with config.ema_momentum, of the moving average): the test split, first read now, with
     eval/ (top-1 and top-5, the loss without label smoothing, per-class figures, calibration); model.keras;
-    the figures and exports; best.keras on the same data; metrics.json and history.json. Returns the metrics."""
+    the figures and exports; best.keras on the same data; metrics.json and history.json (every epoch of the
+    run, those before a restart included, as log.csv has them). Returns the metrics."""
     config, dataset, workdir = run.config, run.dataset, run.workdir
     test_ds = dataset.make_test()
     final = evaluation.evaluate(model, test_ds, class_names=dataset.class_names, strategy=run.strategy)
@@ -461,7 +480,7 @@ def report(run, model, history, fitting):
         "test_expected_calibration_error": final.metrics["expected_calibration_error"],
         "epochs": int(config.epochs),
         "steps": int(model.optimizer.iterations.numpy()),
-        "train_images_per_second": fitting.throughput.images_per_second(run.steps_per_epoch * config.batch_size),
+        "train_images_per_second": fitting.throughput.images_per_second(config.batch_size),
         "train_examples": dataset.num_train,
         "validation_examples": dataset.num_validation,
         "test_examples": dataset.num_test,
@@ -487,13 +506,16 @@ def report(run, model, history, fitting):
         metrics[f"export_{kind}"] = export_model(model, kind, workdir, dataset, config)
     extra = evaluations.extra_evaluations(config, model, run.strategy)
     if fitting.selects and tf.io.gfile.exists(run.best_path):
-        metrics.update(report_best(run, model, test_ds, extra))
+        best, best_extra = report_best(run, model, test_ds)
+        metrics.update(best)
+        for name, accuracy in best_extra.items():
+            extra[name]["best_accuracy"] = accuracy
     if extra:
         metrics["extra_evals"] = extra
     outputs.write_json(tf.io.gfile.join(workdir, "metrics.json"), metrics)
-    outputs.write_json(
-        tf.io.gfile.join(workdir, "history.json"), {k: [float(v) for v in vs] for k, vs in history.history.items()}
-    )
+    history = fitting.log.columns()
+    history.pop("epoch", None)
+    outputs.write_json(tf.io.gfile.join(workdir, "history.json"), history)
     return metrics
 
 
@@ -506,20 +528,20 @@ def plain_loss_and_accuracy(model, batches, strategy=None):
     return float(report["loss"]), float(report["top1_accuracy"])
 
 
-def report_best(run, model, test_ds, extra):
-    """best.keras, the model selected on the validation split, on the same data as the final model: its
-    metrics; its accuracy on the extra test sets goes into `extra`. The final model is saved by then: its
-    variables are reused."""
+def report_best(run, model, test_ds):
+    """best.keras, the model selected on the validation split, on the same data as the final model: (its
+    metrics, {extra test set: its accuracy there}). The final model is saved by then: its variables are
+    reused."""
     model.load_weights(run.best_path)
     metrics = {}
     metrics["best_validation_loss"], metrics["best_validation_accuracy"] = plain_loss_and_accuracy(
         model, run.dataset.validation, run.strategy
     )
     metrics["best_test_loss"], metrics["best_test_accuracy"] = plain_loss_and_accuracy(model, test_ds, run.strategy)
-    for name, result in evaluations.extra_evaluations(run.config, model, run.strategy).items():
-        if "accuracy" in result:
-            extra[name]["best_accuracy"] = result["accuracy"]
-    return metrics
+    extra = {name: result["accuracy"]
+             for name, result in evaluations.extra_evaluations(run.config, model, run.strategy).items()
+             if "accuracy" in result}  # fmt: skip
+    return metrics, extra
 
 
 def distribute_on_jax(config, kind="auto", mesh_shape=None, multi_host=False):

@@ -15,6 +15,7 @@ from keras_vit.requirements import check_keras_backend
 
 check_keras_backend()
 
+from keras_vit.callbacks import EMAWeights, TensorBoardFigures
 from keras_vit.checkpoints import (
     freeze_backbone,
     load_pretrained,
@@ -27,7 +28,7 @@ from keras_vit.checkpoints import (
     set_image_size,
     set_patch_size,
 )
-from keras_vit.evaluation import TensorBoardFigures, evaluate
+from keras_vit.evaluation import evaluate
 from keras_vit.flops import count_flops
 from keras_vit.layers import (
     MAPHead,
@@ -48,7 +49,6 @@ from keras_vit.train_step import TrainingSteps, enable_gradient_accumulation
 from keras_vit.training import (
     SGD,
     AdamW,
-    EMAWeights,
     WarmupLinearDecay,
     layer_decay_scales,
     learning_rate_schedule,

@@ -1,26 +1,25 @@
-"""The state of an interrupted run, saved whole and restored whole: `Backup` (a callback) and `restore_backup`.
+"""The state of an interrupted run on disk, written whole and restored whole: `write_state` and `restore_state`.
+When a run writes one is `keras_vit.callbacks.Backup`'s choice (a `fit` callback).
 
 A backup is a pair of files in its folder (local or gs://), numbered in the order they were written:
 `state-NNNNNNNN.weights.h5` (the model's and the optimizer's variables, as `model.save_weights` writes them)
-and `state-NNNNNNNN.json` (the epoch and the step, counted in batches, to resume from, written after the
-weights: a backup without its JSON is incomplete and is never used). Both are written through
+and `state-NNNNNNNN.json` (the epoch and the step, counted in batches, to resume from, the random generators'
+states, and, for a backup written mid-epoch, the epoch's metrics so far and where the input pipelines were;
+written after the weights: a backup without its JSON is incomplete and is never used). Both are written through
 `keras_vit.files`, so a failed write leaves no partial file, and the last two backups are kept.
 
-`restore_backup(model, folder)` loads the newest usable backup before `fit` and returns the epoch to pass as
-`fit(initial_epoch=...)`: weights and epoch come from the same backup or not at all; `restore_position`
-returns the step too, for a run that resumes mid-epoch (its data positioned at that step), and `restore_state`
-also where the input pipelines were (`Backup.input_position`, saved with each backup). A damaged newest backup
-(a truncated weights file, a JSON that does not parse) is named in a warning and the previous one is used;
-with none usable, `BackupError` names the files and how to start over. Unlike
-`keras.callbacks.BackupAndRestore` (one pair of files written in place, the epoch restored through the model's
-private state), a crash while saving or a damaged file never blocks the next restart.
+`restore_state(model, folder)` loads the newest usable backup before `fit` and returns where the run resumes
+(`Resumed`): weights and position come from the same backup or not at all. A damaged newest backup (a truncated
+weights file, a JSON that does not parse) is named in a warning and the previous one is used; with none usable,
+`BackupError` names the files and how to start over. Unlike `keras.callbacks.BackupAndRestore` (one pair of
+files written in place, the epoch restored through the model's private state), a crash while saving or a
+damaged file never blocks the next restart.
 """
 
 import contextlib
 import json
 import logging
 import re
-import time
 import typing
 import warnings
 
@@ -58,93 +57,35 @@ def _paths(folder, serial):
     return f"{stem}.weights.h5", f"{stem}.json"
 
 
-class Backup(keras.callbacks.Callback):
-    """Saves the run's state into `folder` every epoch (`save_freq="epoch"`) or every `save_freq` steps, and
-    also every `save_seconds` seconds of training when given, keeping the last `keep` backups; removes the
-    folder when training ends with every step of `fit` done (the run is complete).
+def write_state(model, folder, record, keep=2):
+    """Writes the next backup of `model` into `folder`: the weights (model and optimizer), then the JSON that
+    completes it, `record` (the epoch, the step and what else the run saves) with the model's random generators'
+    states added; removes the oldest past `keep`. Returns the JSON's path."""
+    gfile = _gfile()
+    folder = str(folder).rstrip("/")
+    gfile.makedirs(folder)
+    states = _states(folder)
+    serial = states[0] + 1 if states else 0
+    weights, metadata = _paths(folder, serial)
+    with atomic_path(weights, suffix=".weights.h5") as temporary, _outside_distribution():
+        model.save_weights(temporary)
+    record = {
+        **record, "weights": weights.rsplit("/", 1)[1],
+        "random_states": [keras.ops.convert_to_numpy(v).tolist() for v in _random_states(model)],
+    }
+    write_text_atomically(metadata, json.dumps(record))
+    for old in [serial, *states][keep:]:
+        for path in _paths(folder, old):
+            if gfile.exists(path):
+                gfile.remove(path)
+    return metadata
 
-    It counts the run's steps (batches) in `step`, from `start_step` (the step a resumed run starts at:
-    `restore_position`'s; by default the optimizer's step counter when `fit` begins); every `save_freq` steps
-    means at the run's steps `save_freq`, 2 `save_freq`, ...  Set `keep_at_end` to keep the backups when
-    `fit` ends (a run stopped by a signal after its last step still has its report to write).  Pair it with
-    `restore_backup(model, folder)` before `fit`, passing what it returns as `initial_epoch`.
-    """
 
-    def __init__(self, folder, save_freq="epoch", keep=2, save_seconds=None):
-        super().__init__()
-        if save_freq != "epoch" and (not isinstance(save_freq, int) or isinstance(save_freq, bool) or save_freq < 1):
-            raise ValueError(f"`save_freq` must be 'epoch' or a positive integer. Received: save_freq={save_freq!r}")
-        if not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"`keep` must be a positive integer. Received: keep={keep!r}")
-        if save_seconds is not None and not save_seconds > 0:
-            raise ValueError(f"`save_seconds` must be > 0 or None. Received: save_seconds={save_seconds!r}")
-        self.folder, self.save_freq, self.keep = str(folder).rstrip("/"), save_freq, keep
-        self.save_seconds = save_seconds
-        self.start_step = None
-        self.step = 0
-        # step -> where the input pipelines are after it (JSON), saved with each backup; None: nothing to save.
-        self.input_position = None
-        self.keep_at_end = False
-        self._epoch = 0
-        self._epoch_start = 0
-        self._saved_at = time.monotonic()
-
-    def on_train_begin(self, logs=None):
-        if self.start_step is not None:
-            self.step = self.start_step
-        else:
-            self.step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
-        self._saved_at = time.monotonic()
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch, self._epoch_start = epoch, self.step
-
-    def on_epoch_end(self, epoch, logs=None):
-        steps = self.params.get("steps")
-        if steps is not None and self.step - self._epoch_start < steps:
-            return  # Stopped mid-epoch (a signal, a NaN): its state, if any, is saved already.
-        self._epoch = epoch + 1
-        if self.save_freq == "epoch":
-            self.save()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.step = self._epoch_start + batch + 1
-        if self.save_freq != "epoch" and self.step % self.save_freq == 0:
-            self.save()
-        elif self.save_seconds is not None and time.monotonic() - self._saved_at >= self.save_seconds:
-            self.save()
-
-    def on_train_end(self, logs=None):
-        epochs, steps = self.params.get("epochs"), self.params.get("steps")
-        if self.keep_at_end or (epochs is not None and steps is not None and self.step < epochs * steps):
-            return  # Stopped early (a signal, a NaN): the backup is what a rerun resumes from.
-        gfile = _gfile()
-        if gfile.isdir(self.folder):
-            gfile.rmtree(self.folder)
-
-    def save(self):
-        """Writes the next backup (weights, then the JSON that completes it) and removes the oldest past `keep`."""
-        gfile = _gfile()
-        gfile.makedirs(self.folder)
-        states = _states(self.folder)
-        serial = states[0] + 1 if states else 0
-        weights, metadata = _paths(self.folder, serial)
-        with atomic_path(weights, suffix=".weights.h5") as temporary, _outside_distribution():
-            self.model.save_weights(temporary)
-        position = {
-            "epoch": self._epoch, "step": self.step, "weights": weights.rsplit("/", 1)[1],
-            "random_states": [keras.ops.convert_to_numpy(v).tolist() for v in _random_states(self.model)],
-        }
-        where = self.input_position(self.step) if self.input_position is not None else None
-        if where is not None:
-            position["input"] = where
-        write_text_atomically(metadata, json.dumps(position))
-        self._saved_at = time.monotonic()
-        for old in [serial, *states][self.keep :]:
-            for path in _paths(self.folder, old):
-                if gfile.exists(path):
-                    gfile.remove(path)
-        return metadata
+def remove_backups(folder):
+    """Removes the backup folder of a run that is complete."""
+    gfile = _gfile()
+    if gfile.isdir(folder):
+        gfile.rmtree(folder)
 
 
 @contextlib.contextmanager
@@ -191,6 +132,7 @@ class Resumed(typing.NamedTuple):
     epoch: int  # the epoch in progress or next when the backup was written
     step: int | None  # the batches trained (None for a backup that did not record them)
     input: dict | None  # where the input pipelines were (`Backup.input_position`'s), None if not saved
+    metrics: list | None = None  # the epoch's metric variables at `step` (mid-epoch): `model.metrics_variables`
 
 
 def restore_state(model, folder):
@@ -237,7 +179,7 @@ def restore_state(model, folder):
             continue
         if problems:
             log.warning("Resumed from the older backup %s (epoch %d).", metadata, epoch)
-        return Resumed(epoch, step, position.get("input"))
+        return Resumed(epoch, step, position.get("input"), position.get("metrics"))
     if problems:
         raise BackupError(
             f"No usable backup in {folder}: " + "; ".join(problems)

@@ -143,7 +143,7 @@ def num_workers(strategy):
 def any_replica(strategy):
     """A function `agree(flag)` that every worker of `strategy` calls together (the same number of times, as
     `fit`'s callbacks run): True on all of them when `flag` is True on any.  One all-reduce of one integer
-    across the replicas (`keras_vit.preemption.StopOnSignal`'s agreement under MultiWorkerMirroredStrategy and
+    across the replicas (`keras_vit.callbacks.StopOnSignal`'s agreement under MultiWorkerMirroredStrategy and
     TPUStrategy)."""
 
     def agree(flag):

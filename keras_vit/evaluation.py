@@ -25,8 +25,6 @@ import time
 import keras
 import numpy as np
 
-from keras_vit.layers.common import check_positive_int
-
 # The most classes drawn in a confusion matrix's picture (its CSV has them all).
 MAX_MATRIX_CLASSES = 100
 
@@ -328,76 +326,3 @@ def rollout_images(model, images):
     maps = attention_rollout(model, images)[..., None]
     weighted = images * (0.15 + 0.85 * maps)
     return np.clip(np.concatenate([images, weighted], axis=2), 0, 255).astype(np.uint8)
-
-
-class TensorBoardFigures(keras.callbacks.Callback):
-    """Writes, at the end of epochs spread over the run, the validation confusion matrix (`confusion_image`: rows
-    are the true classes, in order, columns the predicted ones) and the attention rollout of a few fixed
-    validation images as TensorBoard images (`confusion_matrix`, `attention_rollout`), beside Keras' own scalars.
-
-    Args:
-        log_dir: the TensorBoard folder (local or gs://); the images go to its
-            `validation` run, where Keras' TensorBoard callback writes the
-            validation scalars.
-        validation_data: a `tf.data.Dataset` of (images, labels) batches,
-            labels integer or one-hot.
-        num_images: how many of the first validation images get a rollout
-            (0: none).
-        max_examples: about this many validation examples (whole batches
-            of them, the first ones: the split is not shuffled) are predicted
-            for the matrix.
-        max_figures: at most this many epochs of a run get the images,
-            evenly spaced, the last epoch always (None: every epoch). The
-            default, 10, is what TensorBoard shows of an image tag unless
-            started with `--samples_per_plugin=images=N`: it keeps 10 steps
-            of a tag, sampled at random but for the last, so more epochs would
-            cost their predictions and not be shown.
-    """
-
-    def __init__(self, log_dir, validation_data, *, num_images=4, max_examples=2048, max_figures=10):
-        super().__init__()
-        self.max_figures = check_positive_int("max_figures", max_figures, optional=True)
-        self.log_dir, self.validation_data = str(log_dir), validation_data
-        self.num_images, self.max_examples = num_images, max_examples
-        self.writer = self.images = self.labels = self.rollout_inputs = None
-
-    def writes_at(self, epoch):
-        """Whether the images are written at the end of `epoch` (0-based) of the run's `params["epochs"]`: every
-        `ceil(epochs / max_figures)`-th epoch and the last, the same epochs in a run resumed part way."""
-        epochs = self.params.get("epochs") if self.params else None
-        if self.max_figures is None or not epochs:
-            return True
-        every = -(-epochs // self.max_figures)
-        return (epoch + 1) % every == 0 or epoch + 1 == epochs
-
-    def _prepare(self):
-        """The writer, the examples and their labels, and the rollout images: read at the first epoch's end, so
-        that nothing of the validation split is read before training starts."""
-        import tensorflow as tf
-
-        self.writer = tf.summary.create_file_writer(tf.io.gfile.join(self.log_dir, "validation"))
-        batch = self.validation_data.element_spec[0].shape[0]
-        batches = self.validation_data.take(-(-self.max_examples // batch) if batch else self.max_examples)
-        # The images stay a dataset (2,048 ImageNet images are 300 MB); the labels and the few rollout images
-        # are read once.
-        self.images = batches.map(lambda x, y: x)
-        labels = np.concatenate([np.asarray(y) for y in batches.map(lambda x, y: y).as_numpy_iterator()])
-        self.labels = labels.argmax(-1) if labels.ndim == 2 else labels.astype(np.int64)
-        rollout_batches = batches.unbatch().take(self.num_images).batch(max(self.num_images, 1))
-        self.rollout_inputs = next(iter(rollout_batches.map(lambda x, y: x).as_numpy_iterator()), np.zeros((0,)))
-
-    def on_epoch_end(self, epoch, logs=None):
-        import tensorflow as tf
-
-        if not self.writes_at(epoch):
-            return
-        if self.writer is None:
-            self._prepare()
-        logits = self.model.predict(self.images, verbose=0)
-        confusion = confusion_matrix(self.labels, logits.argmax(axis=-1), logits.shape[-1])
-        with self.writer.as_default():
-            tf.summary.image("confusion_matrix", confusion_image(confusion)[None], step=epoch)
-            if len(self.rollout_inputs):
-                tf.summary.image("attention_rollout", rollout_images(self.model, self.rollout_inputs), step=epoch,
-                                 max_outputs=len(self.rollout_inputs))
-        self.writer.flush()

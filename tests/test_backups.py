@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_vit import backups
+from keras_vit import backups, callbacks
 
 
 class StopAfter(keras.callbacks.Callback):
@@ -37,7 +37,7 @@ def interrupted(tmp_path):
     model, folder = make_model(), tmp_path / "backup"
     with pytest.raises(KeyboardInterrupt):
         model.fit(*DATA, batch_size=8, epochs=5, verbose=0,
-                  callbacks=[backups.Backup(str(folder)), StopAfter(2)])  # fmt: skip
+                  callbacks=[callbacks.Backup(str(folder)), StopAfter(2)])  # fmt: skip
     return folder, [w.numpy() for w in model.weights], int(model.optimizer.iterations.numpy())
 
 
@@ -55,7 +55,7 @@ def test_the_last_two_backups_are_kept_and_the_newest_restores_weights_optimizer
         np.testing.assert_array_equal(restored.numpy(), expected)
     # Resumed, the run ends at the epoch it was asked for, then removes its backups.
     history = model.fit(*DATA, batch_size=8, epochs=5, initial_epoch=3, verbose=0,
-                        callbacks=[backups.Backup(str(folder))])  # fmt: skip
+                        callbacks=[callbacks.Backup(str(folder))])  # fmt: skip
     assert len(history.history["loss"]) == 2 and int(model.optimizer.iterations.numpy()) == 20
     assert not folder.exists()
 
@@ -87,7 +87,7 @@ def test_no_backup_means_epoch_zero_and_a_failed_save_keeps_the_previous_backups
         raise OSError("No space left on device")
 
     model.save_weights = fail
-    backup = backups.Backup(str(folder))
+    backup = callbacks.Backup(str(folder))
     backup.set_model(model)
     with pytest.raises(OSError, match="No space left"):
         backup.save()

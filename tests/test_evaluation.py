@@ -7,7 +7,7 @@ import pytest
 import sklearn.metrics
 
 import keras_vit
-from keras_vit import evaluation
+from keras_vit import callbacks, evaluation
 from keras_vit.testing import random_images, randomize_weights
 from tests.conftest import run_module
 
@@ -179,10 +179,10 @@ def test_tensorboard_gets_the_confusion_matrix_and_rollouts_each_epoch(tmp_path)
     images = random_images((96, 16, 16, 3)).astype(np.uint8)
     labels = np.arange(96) % 10
     validation = tf.data.Dataset.from_tensor_slices((images[:40], labels[:40])).batch(16)
-    figures = evaluation.TensorBoardFigures(tmp_path, validation, num_images=3)
+    figures = callbacks.TensorBoardFigures(tmp_path, validation, num_images=3)
     assert figures.labels is None  # Nothing of the validation split is read before training.
     # At most 2 epochs of the 3 get the images: every second epoch and the last.
-    spaced = evaluation.TensorBoardFigures(tmp_path / "spaced", validation, num_images=1, max_figures=2)
+    spaced = callbacks.TensorBoardFigures(tmp_path / "spaced", validation, num_images=1, max_figures=2)
     model.fit(images, labels, epochs=3, batch_size=32, validation_data=validation, callbacks=[figures, spaced],
               verbose=0)  # fmt: skip
     np.testing.assert_array_equal(figures.labels, labels[:40])
@@ -192,8 +192,8 @@ def test_tensorboard_gets_the_confusion_matrix_and_rollouts_each_epoch(tmp_path)
         "confusion_matrix": [(1, 1), (2, 1)], "attention_rollout": [(1, 1), (2, 1)]
     }
     with pytest.raises(ValueError, match=r"`max_figures` must be a positive integer or None. Received: max_figures=0"):
-        evaluation.TensorBoardFigures(tmp_path, validation, max_figures=0)
-    every_epoch = evaluation.TensorBoardFigures(tmp_path, validation, max_figures=None)  # None: every epoch
+        callbacks.TensorBoardFigures(tmp_path, validation, max_figures=0)
+    every_epoch = callbacks.TensorBoardFigures(tmp_path, validation, max_figures=None)  # None: every epoch
     every_epoch.set_params({"epochs": 60})
     assert all(every_epoch.writes_at(epoch) for epoch in range(60))
     # Each rollout image is the image beside itself weighted by the rollout map.

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import keras_vit
-from keras_vit import export, training
+from keras_vit import callbacks, export
 from keras_vit.checkpoints import read_checkpoint
 from keras_vit.files import atomic_path, write_bytes_atomically, write_text_atomically
 
@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 import keras_vit
 from experiments import outputs
-from keras_vit import training, visualize
+from keras_vit import callbacks, visualize
 from keras_vit.files import atomic_path
 
 root = sys.argv[1]
@@ -42,7 +42,7 @@ def save_keras(path):  # As experiments/train.py saves model.keras.
 
 
 def best(path):  # As experiments/train.py saves best.keras.
-    checkpoint = training.AtomicModelCheckpoint(path, monitor="val_accuracy", mode="max", save_best_only=True)
+    checkpoint = callbacks.AtomicModelCheckpoint(path, monitor="val_accuracy", mode="max", save_best_only=True)
     checkpoint.set_model(model)
     checkpoint.on_epoch_end(0, {"val_accuracy": 0.5})
 
@@ -55,7 +55,7 @@ def figure(path):
 
 
 def csv_log(path):  # 800 more rows than the file has.
-    log = training.CSVLog(path)
+    log = callbacks.CSVLog(path)
     log.on_train_begin()
     log.header = ["epoch", "loss"]
     log.rows.extend(f"{i},{i / 7:.6f}" for i in range(len(log.rows), len(log.rows) + 800))
@@ -260,7 +260,7 @@ def test_export_keeps_the_previous_saved_model_when_saving_fails(tmp_path, monke
 def test_the_checkpoint_callback_saves_only_better_epochs(tmp_path):
     model = tiny_vit()
     path = tmp_path / "best.keras"
-    checkpoint = training.AtomicModelCheckpoint(
+    checkpoint = callbacks.AtomicModelCheckpoint(
         path, monitor="val_accuracy", mode="max", save_best_only=True, initial_value_threshold=0.5
     )
     checkpoint.set_model(model)
@@ -277,4 +277,4 @@ def test_the_checkpoint_callback_saves_only_better_epochs(tmp_path):
     loaded = keras.saving.load_model(path)
     np.testing.assert_array_equal(loaded.layers[-1].kernel.numpy(), kernel.numpy())
     with pytest.raises(ValueError, match="once per epoch"):
-        training.AtomicModelCheckpoint(path, save_freq=10)
+        callbacks.AtomicModelCheckpoint(path, save_freq=10)

@@ -15,9 +15,9 @@ import pytest
 import tensorflow as tf
 
 import keras_vit
-from keras_vit import backups
+from keras_vit import backups, callbacks
 from keras_vit import data as vit_data
-from keras_vit.preemption import StopOnSignal
+from keras_vit.callbacks import Backup, StopOnSignal, StoppedBySignal
 from tests.conftest import ROOT, run_command_line, run_together
 from tests.test_data import prepare_tfds, write_folder, write_odd_folder
 
@@ -110,14 +110,19 @@ def small_vit():
     return model
 
 
-def fit_from(model, folder, step, callbacks=(), epochs=3):
-    backup = backups.Backup(folder, save_freq=4)
+def fit_from(model, folder, step, extra=(), epochs=3):
+    """`fit` from `step` with a backup every 4 steps and the stop on a signal: (backup, stop, the
+    `StoppedBySignal` that ended it or None)."""
+    backup = Backup(folder, save_freq=4)
     backup.start_step = step
     stop = StopOnSignal(backup, grace_seconds=60)
     stream = vit_data.training_stream(small_split(), 8, num_classes=4, seed=5, max_shift=1, start_step=step)
-    model.fit(stream, epochs=epochs, initial_epoch=step // 2, steps_per_epoch=2, verbose=0, shuffle=False,
-              callbacks=[*(c(backup) for c in callbacks), backup, stop])  # fmt: skip
-    return backup, stop
+    try:
+        model.fit(stream, epochs=epochs, initial_epoch=step // 2, steps_per_epoch=2, verbose=0, shuffle=False,
+                  callbacks=[*(c(backup) for c in extra), backup, stop])  # fmt: skip
+    except StoppedBySignal as stopped:
+        return backup, stop, stopped
+    return backup, stop, None
 
 
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
@@ -135,13 +140,14 @@ def check_signal_and_resume(tmp_path, number):
     """Three fits of a small ViT with dropout and stochastic depth: whole; stopped by `number` at step 3 (mid
     epoch); resumed from its backup. The resumed one ends with the whole one's weights, bit for bit."""
     whole = small_vit()
-    fit_from(whole, str(tmp_path / "whole"), 0)
+    assert fit_from(whole, str(tmp_path / "whole"), 0)[2] is None
     assert int(whole.optimizer.iterations.numpy()) == 6 and not (tmp_path / "whole").exists()  # Done: removed.
 
     handlers = {n: signal.getsignal(n) for n in (signal.SIGTERM, signal.SIGINT)}
     stopped = small_vit()
-    backup, stop = fit_from(stopped, str(tmp_path / "run"), 0, [lambda b: SignalAt(b, 3, number)])
+    backup, stop, raised = fit_from(stopped, str(tmp_path / "run"), 0, [lambda b: SignalAt(b, 3, number)])
     assert stop.signal_number == number and stop.exit_code() == 128 + number
+    assert raised.code == 128 + number and raised.backup_path == stop.backup_path and raised.step == 3
     assert int(stopped.optimizer.iterations.numpy()) == 3  # Mid-epoch: the second epoch's first step.
     with open(stop.backup_path) as f:
         assert json.load(f)["step"] == 3
@@ -163,6 +169,38 @@ def check_signal_and_resume(tmp_path, number):
     assert int(resumed.optimizer.iterations.numpy()) == 6
     for a, b in zip(whole.weights, resumed.weights, strict=True):  # Dropout's generators included.
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+
+
+def test_a_signal_ends_fit_at_once_without_validating_though_the_validation_outlasts_the_grace_period(tmp_path):
+    """SIGTERM mid-epoch, with a validation split that takes 3 s and a grace period of 2 s: `fit` ends after the
+    step in flight and its backup, by `StoppedBySignal` (exit status 143), and neither validates nor ends the
+    epoch (had it validated, the grace period would have run out and the process would have been ended)."""
+    validated, ended = [], []
+
+    def slow(images, labels):
+        def wait():
+            validated.append(time.monotonic())
+            time.sleep(1.0)
+            return np.float32(0)
+
+        return images + tf.numpy_function(wait, [], tf.float32), labels
+
+    split = small_split(24)
+    validation = tf.data.Dataset.from_tensor_slices(
+        (split.images.astype(np.float32), tf.one_hot(split.labels, 4))).batch(8).map(slow)  # fmt: skip
+    model = small_vit()
+    backup = Backup(str(tmp_path / "run"), save_freq=100)
+    stop = StopOnSignal(backup, grace_seconds=2)
+    epoch_end = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: ended.append(epoch))
+    start = time.monotonic()
+    with pytest.raises(StoppedBySignal) as stopped:
+        model.fit(vit_data.training_stream(split, 8, num_classes=4), epochs=2, steps_per_epoch=3, verbose=0,
+                  validation_data=validation, callbacks=[SignalAt(backup, 2), backup, stop, epoch_end])  # fmt: skip
+    assert stopped.value.code == 143 and stopped.value.step == 2 and stop.exit_code() == 143
+    assert time.monotonic() - start < stop.grace_seconds + 10 and not validated and not ended
+    with open(stopped.value.backup_path) as f:
+        assert json.load(f)["step"] == 2
+    assert signal.getsignal(signal.SIGTERM) is not stop._caught  # The handlers are back.
 
 
 class SignalAfterStep(keras.callbacks.Callback):
@@ -213,7 +251,7 @@ keras.distribution.initialize()  # Two processes, from KERAS_DISTRIBUTION_*.
 import jax
 import keras_vit
 from keras_vit import backups, data as vit_data
-from keras_vit.preemption import StopOnSignal, any_process
+from keras_vit.callbacks import Backup, StopOnSignal, StoppedBySignal, any_process
 
 mode, folder = sys.argv[1], sys.argv[2]
 keras.distribution.set_distribution(keras.distribution.DataParallel())  # One device per process: two in all.
@@ -223,7 +261,7 @@ model = keras_vit.build_vit("testing", image_size=6, num_classes=4, patch_size=3
 model.compile(keras.optimizers.AdamW(1e-2), keras.losses.CategoricalCrossentropy(from_logits=True))
 model.optimizer.build(model.trainable_variables)
 step = backups.restore_position(model, folder)[1] if mode == "resume" else 0
-backup = backups.Backup(folder, save_freq=4)
+backup = Backup(folder, save_freq=4)
 backup.start_step = step
 stop = StopOnSignal(backup, grace_seconds=60, workers=jax.process_count(), agree=any_process())
 
@@ -238,8 +276,11 @@ class SignalAt(keras.callbacks.Callback):  # Process 1 alone: SIGTERM at the end
 rng = np.random.default_rng(0)
 split = vit_data.Split(rng.integers(0, 256, (20, 6, 6, 3), dtype=np.uint8), np.arange(20, dtype=np.int32) % 4)
 stream = vit_data.training_stream(split, 8, num_classes=4, seed=5, max_shift=1, start_step=step)
-model.fit(stream, epochs=3, initial_epoch=step // 2, steps_per_epoch=2, verbose=0, shuffle=False,
-          callbacks=[SignalAt(), backup, stop])
+try:
+    model.fit(stream, epochs=3, initial_epoch=step // 2, steps_per_epoch=2, verbose=0, shuffle=False,
+              callbacks=[SignalAt(), backup, stop])
+except StoppedBySignal:
+    pass  # stop.signal_number says so
 np.savez(folder + ".npz", *[keras.ops.convert_to_numpy(w) for w in model.weights])
 print("RESULT " + json.dumps({"signal": stop.signal_number, "step": backup.step,
                               "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations))}))
@@ -283,7 +324,7 @@ def test_two_jax_processes_stop_together_on_one_sigterm_and_resume_as_the_whole_
 
 def test_a_fit_stopped_early_keeps_its_backup(tmp_path):
     model = small_vit()
-    backup = backups.Backup(str(tmp_path / "run"), save_freq=100)
+    backup = Backup(str(tmp_path / "run"), save_freq=100)
     model.fit(vit_data.training_stream(small_split(), 8, num_classes=4), epochs=3, steps_per_epoch=2, verbose=0,
               callbacks=[backup, StopEarly(backup, at=3)])  # fmt: skip
     assert backup.step == 3 and backups.restore_position(small_vit(), str(tmp_path / "run")) == (1, 3)
@@ -293,9 +334,9 @@ def test_backups_every_few_seconds_of_training_count_the_runs_steps(tmp_path, mo
     import types
 
     clock = iter(range(0, 10_000, 7))  # Seconds: 7 s pass between two reads of the Backup's clock.
-    monkeypatch.setattr(backups, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    monkeypatch.setattr(callbacks, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
     model = small_vit()
-    backup = backups.Backup(str(tmp_path / "run"), save_freq=100, keep=10, save_seconds=20)
+    backup = Backup(str(tmp_path / "run"), save_freq=100, keep=10, save_seconds=20)
     model.fit(vit_data.training_stream(small_split(), 8, num_classes=4), epochs=1, steps_per_epoch=6, verbose=0,
               callbacks=[backup, StopEarly(backup, at=5)])  # fmt: skip
     steps = sorted(json.loads(path.read_text())["step"] for path in (tmp_path / "run").glob("state-*.json"))
@@ -362,8 +403,27 @@ def command(workdir):
     return [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *TINY]
 
 
+def tensorboard_scalars(workdir):
+    """{(run, tag, step): value} of every scalar in workdir/tensorboard; each written once, or the test fails."""
+    found = {}
+    for path in sorted((workdir / "tensorboard").glob("*/events.out.tfevents.*")):
+        for record in tf.data.TFRecordDataset(str(path)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name != "scalars":
+                    continue
+                key = (path.parent.name, value.tag, event.step)
+                assert key not in found, f"{key} written twice in {workdir}"
+                found[key] = tf.make_ndarray(value.tensor).item()
+    return found
+
+
 @pytest.mark.slow
 def test_sigterm_mid_epoch_then_the_same_command_ends_as_the_uninterrupted_run(tmp_path):
+    """The command stopped by SIGTERM mid-epoch exits with 143 within the grace period without validating the
+    stopped epoch; run again, it finishes that epoch, then runs the uninterrupted run's epochs: its log.csv,
+    history.json, TensorBoard scalars, best epoch and weights are the uninterrupted run's, bit for bit, and its
+    progress says where it resumed."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     whole = subprocess.run(command(tmp_path / "whole"), cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=600)  # fmt: skip
@@ -383,15 +443,29 @@ def test_sigterm_mid_epoch_then_the_same_command_ends_as_the_uninterrupted_run(t
     assert "Stopped by SIGTERM at step" in stderr and "Run the same command to resume" in stderr
     stopped_at = int(stderr.split("Stopped by SIGTERM at step ")[1].split()[0])
     assert 4 <= stopped_at < 40 and "Traceback" not in stderr
+    # The stopped epoch was neither validated nor logged: log.csv holds the epochs that ended before it.
+    logged = (run / "log.csv").read_text().splitlines()[1:] if (run / "log.csv").exists() else []
+    assert [line.split(",")[0] for line in logged] == [str(e) for e in range(stopped_at // 20)]
 
     resumed = subprocess.run(command(run), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {stopped_at} of 40" in resumed.stderr  # The resume says where it starts.
-    models = [keras.models.load_model(path / "model.keras") for path in (tmp_path / "whole", run)]
-    assert [int(m.optimizer.iterations.numpy()) for m in models] == [40, 40]
-    for a, b in zip(models[0].weights, models[1].weights, strict=True):
-        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
-    with open(run / "log.csv") as f:
-        assert [line.split(",")[0] for line in f.read().splitlines()[1:]] == ["0", "1"]
+    if stopped_at % 20:
+        epoch, step = divmod(stopped_at, 20)
+        assert f"Epoch {epoch + 1}/2: resumed at step {step} of 20" in resumed.stdout, resumed.stdout[-2000:]
+    models = [keras.models.load_model(path / name) for name in ("model.keras", "best.keras")
+              for path in (tmp_path / "whole", run)]  # fmt: skip
+    assert [int(m.optimizer.iterations.numpy()) for m in models[:2]] == [40, 40]
+    for first, second in (models[:2], models[2:]):
+        for a, b in zip(first.weights, second.weights, strict=True):
+            np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+    for name in ("log.csv", "history.json"):
+        assert (run / name).read_text() == (tmp_path / "whole" / name).read_text(), name
+    assert [line.split(",")[0] for line in (run / "log.csv").read_text().splitlines()[1:]] == ["0", "1"]
+    scalars = tensorboard_scalars(run)
+    assert scalars == tensorboard_scalars(tmp_path / "whole") and ("validation", "epoch_accuracy", 1) in scalars
+    metrics = [json.loads((path / "metrics.json").read_text()) for path in (tmp_path / "whole", run)]
+    for key in ("best_validation_accuracy", "best_test_accuracy", "test_accuracy", "test_loss"):
+        assert metrics[0][key] == metrics[1][key], key
     for noise in ("shuffle=True", "ran out of data"):
         assert noise not in resumed.stderr and noise not in whole.stderr

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from experiments import datasets, evaluations, models, train
 from experiments.configs import digits as digits_config
+from keras_vit import callbacks
 from keras_vit import data as vit_data
 from tests.test_data import prepare_tfds, write_folder
 
@@ -473,13 +474,15 @@ def test_the_config_reaches_the_training_pipeline(tmp_path, monkeypatch):
     assert seen[2]["positions"] is positions and (positions.start_step, positions.start_of(0)) == (7, (2, 5))
 
 
-def test_a_resumed_run_keeps_the_best_epoch_of_the_run_it_resumes(tmp_path):
-    """With a backup (an interrupted run) the best val_accuracy logged so far is the bar best.keras must beat
-    (the killed-run test runs it end to end); a run that starts afresh has none."""
-    (tmp_path / "log.csv").write_text("epoch,accuracy,val_accuracy\n0,0.5,0.75\n1,0.6,0.875\n2,0.7,0.8125\n")
-    (tmp_path / "best.keras").write_bytes(b"")
-    assert train.best_logged(str(tmp_path), str(tmp_path / "best.keras")) is None  # no backup: afresh
-    (tmp_path / "backup").mkdir()
-    assert train.best_logged(str(tmp_path), str(tmp_path / "best.keras")) == 0.875
-    (tmp_path / "log.csv").write_text("epoch,accuracy\n0,0.5\n")  # no validation logged
-    assert train.best_logged(str(tmp_path), str(tmp_path / "best.keras")) is None
+def test_a_resumed_run_goes_on_from_the_epochs_logged_before_the_one_it_resumes_in(tmp_path):
+    """The job's log of a run resumed in epoch E keeps the rows of the epochs before E (the best val_accuracy
+    among them is the bar best.keras must beat; the killed-run tests run it end to end), drops the others and
+    reads empty fields as NaN."""
+    path = tmp_path / "log.csv"
+    path.write_text("epoch,accuracy,val_accuracy\n0,0.5,0.75\n1,0.6,0.875\n2,0.7,\n")
+    assert callbacks.CSVLog(str(path), first_epoch=2).read() == {
+        "epoch": [0, 1], "accuracy": [0.5, 0.6], "val_accuracy": [0.75, 0.875]}
+    assert callbacks.CSVLog(str(path), first_epoch=0).read() == {"epoch": [], "accuracy": [], "val_accuracy": []}
+    everything = callbacks.CSVLog(str(path)).read()
+    assert everything["epoch"] == [0, 1, 2] and np.isnan(everything["val_accuracy"][2])
+    assert callbacks.CSVLog(str(tmp_path / "none.csv")).read() == {}

@@ -40,7 +40,7 @@ import tensorflow as tf
 import keras_vit
 from experiments import models
 from experiments.configs import imagenet_s16
-from keras_vit import export, training
+from keras_vit import callbacks, export
 from keras_vit.data.randaugment import RANDAUGMENT_OPS, apply_op, rand_augment
 from keras_vit.kernels import policy as kernel_policy
 from keras_vit.kernels import tf_cpu
@@ -179,7 +179,7 @@ def test_the_training_step_with_every_feature_compiles_with_xla(forms, precision
     labels = np.eye(4, dtype="float32")[rng.integers(0, 4, 8)]
     batches = tf.data.Dataset.from_tensor_slices((images, labels)).batch(4, drop_remainder=True)
     before = [w.numpy().copy() for w in model.trainable_weights]
-    ema = training.EMAWeights()
+    ema = callbacks.EMAWeights()
     history = model.fit(batches, epochs=1, verbose=0, shuffle=False, callbacks=[ema, ema.restorer()])
 
     step = compiled_step(model)
@@ -260,6 +260,7 @@ def test_randaugment_op_compiles_with_xla(name):
     assert np.array_equal(result[0], result[1]) is (name not in SEEDED)
 
 
+@pytest.mark.slow  # XLA compiles of many sizes and magnitudes: 4-5 s each on 2 cores.
 @pytest.mark.parametrize("name", ["Rotate", "ShearX", "ShearY"])
 def test_the_xla_form_of_rotate_and_shear_is_the_host_kernel_bit_for_bit(name):
     """Compiled, Rotate and the shears compute what TensorFlow's ImageProjectiveTransformV3 computes on the host
@@ -287,6 +288,7 @@ def test_the_xla_form_of_rotate_and_shear_is_the_host_kernel_bit_for_bit(name):
                 assert not np.array_equal(expected[0], rgb_image(height, width))
 
 
+@pytest.mark.slow  # 5 s on 2 cores.
 def test_randaugment_of_a_batch_compiles_with_xla():
     """imagenet_s16's RandAugment(2, 10) of a batch, one seed per image, compiled: what applying it on the device
     needs. All 16 ops are compiled (tf.switch_case's branches) and the drawn ones give the host's images."""
@@ -308,6 +310,7 @@ def test_randaugment_of_a_batch_compiles_with_xla():
 # === The exported SavedModel's serving function ===
 
 
+@pytest.mark.slow  # Exporting and compiling the serving function: 4-25 s on 2 cores.
 @pytest.mark.parametrize(
     "class_names",
     [

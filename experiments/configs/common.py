@@ -111,7 +111,7 @@ def add_optimisation_fields(config):
 def add_execution_fields(config):
     """How the steps run: steps per execution, backups, precision, XLA, logging and TensorBoard figures."""
     config.steps_per_execution = 1  # > 1 keeps TPUs busy.
-    config.backup_every = "epoch"  # keras_vit.backups.Backup: "epoch" or a number of steps.
+    config.backup_every = "epoch"  # keras_vit.callbacks.Backup: "epoch" or a number of steps.
     config.backup_minutes = 10.0  # Also a backup after this many minutes of training; 0: none.
     # On SIGTERM or SIGINT: the step in flight, a backup, then exit 143 or 130 within this many seconds.
     config.grace_seconds = 30.0
@@ -119,7 +119,7 @@ def add_execution_fields(config):
     config.jit_compile = "auto"  # "on", "off"; see keras_vit.training.resolve_jit_compile.
     config.verbose = 2  # 1: progress bar, 2: a line per epoch.
     # TensorBoard images of the validation confusion matrix and of the attention rollout of this many fixed
-    # validation images (keras_vit.evaluation.TensorBoardFigures); 0: neither.
+    # validation images (keras_vit.callbacks.TensorBoardFigures); 0: neither.
     config.tensorboard_figures = 4
     # At the end of at most this many epochs, evenly spaced, the last included (TensorBoard shows 10 steps of an
     # image tag unless started with --samples_per_plugin=images=N); 0: every epoch.

@@ -24,7 +24,7 @@ The entries, by what they adapt (one module each), what each relies on, and who 
   - `LearningRateScales`: the optimizer's `_get_variable_index`, `_trainable_variables`, `_use_weight_decay`
     and `_apply_weight_decay`; keras_vit.training (layer-wise learning-rate decay).
   - `swap_moving_average(optimizer)`: the optimizer's `_trainable_variables` and
-    `_model_variables_moving_average` (its `use_ema` averages); keras_vit.training.EMAWeights.
+    `_model_variables_moving_average` (its `use_ema` averages); keras_vit.callbacks.EMAWeights.
 - The training step (`trainer`):
   - `track_loss(model, loss, x)`: the model's `_loss_tracker` and
     keras.src.losses.loss.unscale_loss_for_distribution; keras_vit.train_step (gradient accumulation).
