@@ -423,6 +423,7 @@ def fit(run, model, start, fitting):
             if step and position is None and positions is not None:
                 logging.warning("The backup does not say where the input was: the input starts new passes.")
             fitting.backup.input_position = positions.after if positions is not None else None
+            callback_list.goes_on_after = epoch if into else None
             model.fit(
                 batches,
                 epochs=epoch + 1 if into else config.epochs,
@@ -434,7 +435,7 @@ def fit(run, model, start, fitting):
                 shuffle=False,  # The pipelines shuffle.
                 verbose=config.verbose,  # 1: a progress bar, 2: a line per epoch (logs)
             )
-            if fitting.stop.signal_number is not None or model.stop_training:
+            if fitting.stop.signal_number is not None or model.stop_training or fitting.backup.step <= step:
                 break
             step = fitting.backup.step
             position = positions.after(step) if positions is not None else None

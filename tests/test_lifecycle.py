@@ -394,7 +394,10 @@ def test_help_lists_the_config_fields_and_exits_0():
 
 # === The command: SIGTERM mid-epoch, the rerun resumes and ends as the uninterrupted run ===
 
+# With the moving average of the weights: Keras' fit puts it in the model when it returns, and the resumed run's
+# first fit (the rest of the stopped epoch) is followed by another.
 TINY = ["--config.epochs=2", "--config.jit_compile=off", "--config.backup_every=4", "--config.visualize=false",
+        "--config.ema_momentum=0.9",
         "--config.tensorboard_figures=0", "--config.model.num_layers=1", "--config.model.hidden_dim=16",
         "--config.model.mlp_dim=32", "--config.model.num_heads=2"]  # fmt: skip
 
