@@ -121,8 +121,14 @@ def test_saved_model_signatures_match_keras(digits_model, digits_exports):
     expected = model.predict(images, verbose=0)
     np.testing.assert_allclose(out["images_logits"], expected, atol=1e-5)
     # The probabilities are the softmax of the signature's own logits, and so within the logits' tolerance of
-    # Keras' (a softmax moves by at most a quarter of its logits' change).
-    np.testing.assert_allclose(out["images_probabilities"], tf.nn.softmax(out["images_logits"]).numpy(), atol=1e-6)
+    # Keras' (a softmax moves by at most a quarter of its logits' change). Two float32 softmaxes of the same logits
+    # (the graph's kernel and this eager one) each round: an exp per class (a few units in the last place), a sum
+    # of K terms (up to K more), the division; each is within (K + 4) u of the exact value relative to it (u, the
+    # unit roundoff, 2**-24), so two are within twice that of each other, probabilities being at most 1.
+    classes = expected.shape[-1]
+    softmax_rounding = 2 * (classes + 4) * np.finfo(np.float32).eps / 2
+    np.testing.assert_allclose(out["images_probabilities"], tf.nn.softmax(out["images_logits"]).numpy(),
+                               rtol=0, atol=softmax_rounding)  # fmt: skip
     np.testing.assert_allclose(out["images_probabilities"], tf.nn.softmax(expected).numpy(), atol=1e-5)
     np.testing.assert_array_equal(out["images_top_k"][:, 0], expected.argmax(-1))
     names = np.array(dataset.class_names)[out["images_top_k"]]
