@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import signal
+import time
 import warnings
 
 import keras
@@ -66,6 +67,10 @@ def define_flags():
         "multi_host": flags.DEFINE_bool(
             "multi_host", False, "JAX on several hosts (a TPU pod slice, GPU hosts): run the same command on every "
             "host; keras.distribution.initialize() connects them first."
+        ),
+        "profile_phases": flags.DEFINE_bool(
+            "profile_phases", False, "Print the seconds of each phase of the job (imports, data, tracing, the "
+            "training steps, validation, the test split, best.keras, figures, exports, writing) at its end."
         ),
         "overwrite": flags.DEFINE_bool(
             "overwrite", False, "Delete what --workdir holds first, a finished run included, and train from scratch."
@@ -201,7 +206,46 @@ class Fitting:
     log: vit_callbacks.CSVLog
 
 
-def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrite=False):
+class Phases:
+    """Wall-clock seconds of the job's phases, in the order they ran: `--profile_phases` prints them as a
+    table, to see what a run spends outside its training steps."""
+
+    def __init__(self):
+        self.seconds = {}
+
+    def add(self, name, seconds):
+        self.seconds[name] = self.seconds.get(name, 0.0) + max(0.0, seconds)
+
+    @contextlib.contextmanager
+    def timing(self, name):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start)
+
+    def add_fit(self, seconds, throughput):
+        """`fit`'s `seconds`, split by `throughput` (`keras_vit.callbacks.Throughput`) into the first training
+        step (tracing and compiling), the other steps, the validation and the rest."""
+        first, steps = throughput.step_seconds()
+        self.add("training: first step (tracing, compiling)", first)
+        self.add("training: the other steps", steps)
+        self.add("validation in fit", throughput.validation_seconds)
+        self.add("fit: the rest (starting the input, epoch ends: logs, best.keras, figures)",
+                 seconds - first - steps - throughput.validation_seconds)  # fmt: skip
+
+    def table(self):
+        """The phases, their seconds and shares, the total and what lies outside the training steps."""
+        total = sum(self.seconds.values())
+        rows = [f"{'phase':<76} {'seconds':>8} {'share':>6}"]
+        rows += [f"{name:<76} {seconds:8.2f} {seconds / total:6.1%}" for name, seconds in self.seconds.items()]
+        outside = total - self.seconds.get("training: the other steps", 0.0)
+        rows.append(f"{'total':<76} {total:8.2f}")
+        rows.append(f"{'outside the training steps':<76} {outside:8.2f} {outside / total:6.1%}")
+        return "\n".join(rows)
+
+
+def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrite=False, phases=None):
     """Runs the whole job; returns the metrics it writes to `workdir`.
 
     TensorFlow backend: `strategy` is a `tf.distribute.Strategy`, by default
@@ -210,7 +254,8 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrit
     batch size in `config` is global.  `callbacks` are added to `fit`'s own.
     A `workdir` that holds a finished run (its metrics.json) is refused
     (`FinishedRunError`) unless `overwrite`, which deletes it first; one that
-    holds an interrupted run's backup resumes it.
+    holds an interrupted run's backup resumes it.  `phases` (a `Phases`)
+    gets the seconds of each phase.
 
     The stages, each a function of its own, in order: `prepare_run` (where it runs, every check, the data;
     nothing written), `make_workdir`, `build_model` (seeded, compiled, under the strategy's scope), `restore`
@@ -218,18 +263,23 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrit
     step), `fit` (the rest of an interrupted epoch, then the epochs after it) and `report` (the test split,
     model.keras, metrics.json, figures, exports, best.keras).
     """
-    run = prepare_run(config, workdir, strategy, overwrite=overwrite)
-    make_workdir(run)
-    model = build_model(run)
-    start = restore(run, model)
-    fitting = fit_callbacks(run, model, start, callbacks)
+    phases = Phases() if phases is None else phases
+    with phases.timing("checks, data"):
+        run = prepare_run(config, workdir, strategy, overwrite=overwrite)
+    with phases.timing("model: built, compiled; restored from a backup"):
+        make_workdir(run)
+        model = build_model(run)
+        start = restore(run, model)
+        fitting = fit_callbacks(run, model, start, callbacks)
     with warnings.catch_warnings():
         # Keras warns so at the end of every split of unknown length (images that fail to decode are skipped,
         # so an image set's validation and test splits have none) the first time it reads it; the training
         # data is endless, so the warning can only be about those.
         warnings.filterwarnings("ignore", message="Your input ran out of data")
+        started = time.perf_counter()
         fit(run, model, start, fitting)
-        return report(run, model, fitting)
+        phases.add_fit(time.perf_counter() - started, fitting.throughput)
+        return report(run, model, fitting, phases)
 
 
 class FinishedRunError(ValueError):
@@ -462,18 +512,21 @@ def _clear_earlier_attempt(workdir):
             (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
 
 
-def report(run, model, fitting):
+def report(run, model, fitting, phases=None):
     """After training (with config.ema_momentum, of the moving average): the test split, first read now, with
     eval/ (top-1 and top-5, the loss without label smoothing, per-class figures, calibration); model.keras;
     the figures and exports; best.keras on the same data; metrics.json and history.json (every epoch of the
     run, those before a restart included, as log.csv has them). Returns the metrics."""
     config, dataset, workdir = run.config, run.dataset, run.workdir
+    timing = (Phases() if phases is None else phases).timing
     test_ds = dataset.make_test()
-    final = evaluation.evaluate(model, test_ds, class_names=dataset.class_names, strategy=run.strategy)
-    final.metrics.update(split=dataset.splits.get("test", {}), skipped_files=dataset.skipped.count)
-    final.write(tf.io.gfile.join(workdir, "eval"))
-    with atomic_path(tf.io.gfile.join(workdir, "model.keras"), suffix=".keras") as temporary:
-        model.save(temporary)
+    with timing("test split: evaluated, eval/ written"):
+        final = evaluation.evaluate(model, test_ds, class_names=dataset.class_names, strategy=run.strategy)
+        final.metrics.update(split=dataset.splits.get("test", {}), skipped_files=dataset.skipped.count)
+        final.write(tf.io.gfile.join(workdir, "eval"))
+    with timing("model.keras written"):
+        with atomic_path(tf.io.gfile.join(workdir, "model.keras"), suffix=".keras") as temporary:
+            model.save(temporary)
     metrics = {
         "test_accuracy": float(final.metrics["top1_accuracy"]),  # The final model's.
         "test_loss": float(final.metrics["loss"]),
@@ -493,30 +546,36 @@ def report(run, model, fitting):
         "skipped_examples": dataset.skipped.paths[:100],
     }
     if dataset.validation is not None:
-        metrics["validation_loss"], metrics["validation_accuracy"] = plain_loss_and_accuracy(
-            model, dataset.validation, run.strategy
-        )
-    # Did the position embeddings learn the grid structure of the paper's Figure 7?
-    metrics.update(visualize.neighbour_similarity(visualize.position_embedding_similarity(model)))
-    if config.visualize:
-        figures = tf.io.gfile.join(workdir, "figures")
-        images = next(iter(test_ds.unbatch().batch(config.visualize_images)))[0].numpy()
-        for i, image in enumerate(images):
-            visualize.write_figures(model, image, figures, prefix=f"test{i}_")
-    for kind in run.exports:
-        metrics[f"export_{kind}"] = export_model(model, kind, workdir, dataset, config)
-    extra = evaluations.extra_evaluations(config, model, run.strategy)
+        with timing("validation split evaluated again, without label smoothing"):
+            metrics["validation_loss"], metrics["validation_accuracy"] = plain_loss_and_accuracy(
+                model, dataset.validation, run.strategy
+            )
+    with timing("figures"):
+        # Did the position embeddings learn the grid structure of the paper's Figure 7?
+        metrics.update(visualize.neighbour_similarity(visualize.position_embedding_similarity(model)))
+        if config.visualize:
+            figures = tf.io.gfile.join(workdir, "figures")
+            images = next(iter(test_ds.unbatch().batch(config.visualize_images)))[0].numpy()
+            for i, image in enumerate(images):
+                visualize.write_figures(model, image, figures, prefix=f"test{i}_")
+    with timing("exports"):
+        for kind in run.exports:
+            metrics[f"export_{kind}"] = export_model(model, kind, workdir, dataset, config)
+    with timing("extra test sets"):
+        extra = evaluations.extra_evaluations(config, model, run.strategy)
     if fitting.selects and tf.io.gfile.exists(run.best_path):
-        best, best_extra = report_best(run, model, test_ds)
+        with timing("best.keras: loaded, validation and test splits evaluated"):
+            best, best_extra = report_best(run, model, test_ds)
         metrics.update(best)
         for name, accuracy in best_extra.items():
             extra[name]["best_accuracy"] = accuracy
     if extra:
         metrics["extra_evals"] = extra
-    outputs.write_json(tf.io.gfile.join(workdir, "metrics.json"), metrics)
-    history = fitting.log.columns()
-    history.pop("epoch", None)
-    outputs.write_json(tf.io.gfile.join(workdir, "history.json"), history)
+    with timing("metrics.json, history.json written"):
+        outputs.write_json(tf.io.gfile.join(workdir, "metrics.json"), metrics)
+        history = fitting.log.columns()
+        history.pop("epoch", None)
+        outputs.write_json(tf.io.gfile.join(workdir, "history.json"), history)
     return metrics
 
 
@@ -572,6 +631,18 @@ def distribute_on_jax(config, kind="auto", mesh_shape=None, multi_host=False):
     )
 
 
+def process_seconds():
+    """Wall-clock seconds since this process started (Linux: /proc); None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - started / os.sysconf("SC_CLK_TCK")
+
+
 def main(cli):
     """The command line's job: the strategy or distribution first, then `train_and_evaluate`."""
     config, workdir = cli.config.value, cli.workdir.value
@@ -590,9 +661,15 @@ def main(cli):
         strategy = get_strategy(cli.strategy.value, cli.tpu.value)
     else:
         strategy = None
-    metrics = train_and_evaluate(config, workdir, strategy, overwrite=cli.overwrite.value)
+    phases = Phases()
+    imported = process_seconds()
+    if imported is not None:
+        phases.add("imports, flags, distribution (from the process's start)", imported)
+    metrics = train_and_evaluate(config, workdir, strategy, overwrite=cli.overwrite.value, phases=phases)
     logging.info("Metrics: %s", metrics)
     print(json.dumps(metrics, indent=2))
+    if cli.profile_phases.value:
+        print(phases.table())
     where = workdir if "://" in workdir else os.path.abspath(workdir)
     print(f"Wrote the model, metrics.json and history.json to {where}")
 

@@ -617,13 +617,15 @@ class Progress(keras.callbacks.Callback):
 
 
 class Throughput(keras.callbacks.Callback):
-    """Times the training steps of each epoch (validation excluded); the first epoch of the process (tracing
-    and compiling) is left out of the rate."""
+    """Times the training steps of each epoch and, apart, the first step of the process (tracing and
+    compiling) and `fit`'s validation. The rate leaves the first epoch of the process out."""
 
     def __init__(self):
         super().__init__()
-        self.epochs = []  # (steps, seconds) per epoch
-        self.start = self.last_step = None
+        self.epochs = []  # (steps, seconds) per epoch, validation excluded
+        self.first_step_seconds = None  # from the first epoch's start to its first step's end
+        self.validation_seconds = 0.0
+        self.start = self.last_step = self._test_start = None
         self.steps = 0
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -632,6 +634,14 @@ class Throughput(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.last_step, self.steps = time.perf_counter(), batch + 1
+        if self.first_step_seconds is None:
+            self.first_step_seconds = self.last_step - self.start
+
+    def on_test_begin(self, logs=None):
+        self._test_start = time.perf_counter()
+
+    def on_test_end(self, logs=None):
+        self.validation_seconds += time.perf_counter() - self._test_start
 
     def on_epoch_end(self, epoch, logs=None):
         self.epochs.append((self.steps, self.last_step - self.start))
@@ -640,3 +650,9 @@ class Throughput(keras.callbacks.Callback):
         timed = self.epochs[1:] or self.epochs
         seconds = sum(s for _, s in timed)
         return batch_size * sum(n for n, _ in timed) / seconds if seconds else float("nan")
+
+    def step_seconds(self):
+        """(seconds of the first step, seconds of the other training steps)."""
+        total = sum(s for _, s in self.epochs)
+        first = self.first_step_seconds or 0.0
+        return first, total - first

@@ -136,7 +136,9 @@ def digits_main_job(tmp_path_factory):
 def digits_job(tmp_path_factory):
     """The training job, in this process, as a short run on the digits: a small model, 2 epochs, 4 steps per
     execution, the figures and two exports. For the tests of what the job writes and of the tools that read
-    it (evaluation, TensorBoard): (workdir, config, metrics)."""
+    it (evaluation, TensorBoard): (workdir, config, metrics, the seconds of its phases and the job's)."""
+    import time
+
     from experiments import train
     from tests.test_model_selection import tiny_digits_config
 
@@ -145,7 +147,9 @@ def digits_job(tmp_path_factory):
     config.steps_per_execution = 4
     config.export = "saved_model,tflite"
     workdir = tmp_path_factory.mktemp("digits_job")
-    return workdir, config, train.train_and_evaluate(config, str(workdir))
+    phases, start = train.Phases(), time.perf_counter()
+    metrics = train.train_and_evaluate(config, str(workdir), phases=phases)
+    return workdir, config, metrics, (phases, time.perf_counter() - start)
 
 
 @pytest.fixture(scope="session")

@@ -113,7 +113,7 @@ def test_the_files_written(tmp_path):
 def test_the_job_evaluates_the_training_jobs_model_as_the_training_job_did(digits_job, tmp_path):
     """The training job's final evaluation and the evaluation job (its command line, as a user runs it) are the
     same code: the same numbers."""
-    workdir, config, trained = digits_job
+    workdir, config, trained, _ = digits_job
     final = json.loads((workdir / "eval" / "eval.json").read_text())
     assert final["top1_accuracy"] == pytest.approx(trained["test_accuracy"])
     assert (workdir / "eval" / "confusion_matrix.png").exists() and (workdir / "eval" / "reliability.png").exists()

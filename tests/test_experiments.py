@@ -161,7 +161,7 @@ def test_config_overrides_from_the_command_line(tmp_path):
 @pytest.mark.slow
 def test_the_job_writes_the_model_metrics_figures_and_exports(digits_job):
     """The training job (a short run on the digits, exports asked for): what it writes."""
-    workdir, config, metrics = digits_job
+    workdir, config, metrics, (phases, seconds) = digits_job
     assert (workdir / "export" / "saved_model" / "saved_model.pb").exists()
     assert (workdir / "export" / "tflite.tflite").stat().st_size > 0
     assert metrics["export_tflite"] == str(workdir / "export" / "tflite.tflite")
@@ -171,6 +171,18 @@ def test_the_job_writes_the_model_metrics_figures_and_exports(digits_job):
     model = keras.saving.load_model(workdir / "model.keras")
     assert [layer.name for layer in model.layers].count("encoderblock_0") == 1
     assert len(list((workdir / "figures").iterdir())) == 12
+    # The seconds of its phases (--profile_phases prints them) account for the job's, each phase timed apart.
+    names = list(phases.seconds)
+    for phase in ("checks, data", "training: first step (tracing, compiling)", "training: the other steps",
+                  "validation in fit", "test split: evaluated, eval/ written", "figures", "exports",
+                  "best.keras: loaded, validation and test splits evaluated", "metrics.json, history.json written"):
+        assert phase in names, (phase, names)
+    assert all(value >= 0 for value in phases.seconds.values())
+    assert phases.seconds["exports"] > 0.5 and phases.seconds["training: the other steps"] > 0  # two exports
+    assert sum(phases.seconds.values()) == pytest.approx(seconds, rel=0.05)
+    table = phases.table().splitlines()
+    assert table[0].split() == ["phase", "seconds", "share"] and len(table) == len(names) + 3
+    assert table[-1].startswith("outside the training steps")
 
 
 @pytest.mark.slow

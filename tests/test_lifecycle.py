@@ -389,7 +389,11 @@ def test_help_lists_the_config_fields_and_exits_0():
     printed = run_command_line("experiments.train", "--help", exit_code=0)
     assert "--workdir" in printed and "--overwrite" in printed
     assert "    --config.epochs=60" in printed and "--config.model.variant='Ti/2'" in printed
-    assert "--config.grace_seconds=30.0" in printed
+    assert "--config.grace_seconds=30.0" in printed and "--[no]profile_phases" in printed
+    from experiments import train
+
+    # --profile_phases counts the imports from the process's start.
+    assert 0 < train.process_seconds() < time.monotonic() + 1
 
 
 # === The command: SIGTERM mid-epoch, the rerun resumes and ends as the uninterrupted run ===
