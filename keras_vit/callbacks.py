@@ -166,7 +166,7 @@ class Backup(keras.callbacks.Callback):
         if total is None:
             epochs, steps = self.params.get("epochs"), _steps_per_epoch(self)
             total = epochs * steps if epochs is not None and steps is not None else None
-        if self.keep_at_end or total is None or self.step < total:
+        if self.keep_at_end or (total is not None and self.step < total):
             return  # Stopped early (a signal, a NaN), or more to run: the backup is what a rerun resumes from.
         backups.remove_backups(self.folder)
 
