@@ -3,8 +3,10 @@ never on import, so that the jobs can be imported together, as libraries, withou
 `main` then runs with them.  The helpers the jobs build from (`models`, `datasets`, `evaluations`, `outputs`)
 take a config, never a flag."""
 
+import contextlib
 import os
 import sys
+import time
 import types
 
 import ml_collections
@@ -129,3 +131,54 @@ def _refuse_arguments(error):
             message = " ".join(text.split())
     sys.stderr.write(f"Error: {message}\nRun with --help for the flags and the config fields.\n")
     sys.exit(USER_ERROR_EXIT)
+
+
+class Phases:
+    """Wall-clock seconds of the job's phases, in the order they ran: `--profile_phases` prints them as a
+    table, to see what a run spends outside its training steps."""
+
+    def __init__(self):
+        self.seconds = {}
+
+    def add(self, name, seconds):
+        self.seconds[name] = self.seconds.get(name, 0.0) + max(0.0, seconds)
+
+    @contextlib.contextmanager
+    def timing(self, name):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start)
+
+    def add_fit(self, seconds, throughput):
+        """`fit`'s `seconds`, split by `throughput` (`keras_vit.callbacks.Throughput`) into the first training
+        step (tracing and compiling), the other steps, the validation and the rest."""
+        first, steps = throughput.step_seconds()
+        self.add("training: first step (tracing, compiling)", first)
+        self.add("training: the other steps", steps)
+        self.add("validation in fit", throughput.validation_seconds)
+        self.add("fit: the rest (starting the input, epoch ends: logs, best.keras, figures)",
+                 seconds - first - steps - throughput.validation_seconds)  # fmt: skip
+
+    def table(self):
+        """The phases, their seconds and shares, the total and what lies outside the training steps."""
+        total = sum(self.seconds.values())
+        rows = [f"{'phase':<76} {'seconds':>8} {'share':>6}"]
+        rows += [f"{name:<76} {seconds:8.2f} {seconds / total:6.1%}" for name, seconds in self.seconds.items()]
+        outside = total - self.seconds.get("training: the other steps", 0.0)
+        rows.append(f"{'total':<76} {total:8.2f}")
+        rows.append(f"{'outside the training steps':<76} {outside:8.2f} {outside / total:6.1%}")
+        return "\n".join(rows)
+
+
+def process_seconds():
+    """Wall-clock seconds since this process started (Linux: /proc); None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - started / os.sysconf("SC_CLK_TCK")

@@ -38,10 +38,10 @@ import tensorflow as tf
 from absl import app, flags, logging
 
 import keras_vit
-from experiments import config_checks, datasets, evaluations, jobs, models, outputs
-from keras_vit import backups, distribute, evaluation, export, parallel, visualize
+from experiments import config_checks, datasets, evaluations, jobs, models, outputs, topology
+from keras_vit import backups, evaluation, export, visualize
 from keras_vit import callbacks as vit_callbacks
-from keras_vit.distribute import STRATEGIES, get_strategy, is_chief
+from keras_vit.distribute import STRATEGIES, get_strategy
 from keras_vit.files import atomic_path
 
 
@@ -109,54 +109,13 @@ def export_model(model, kind, workdir, dataset, config):
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Topology:
-    """Where the job runs, decided once (`topology`) and read by every stage: the backend, the tf.distribute
-    strategy (TensorFlow; None on the other backends), whether this process is the chief (it writes the job's
-    outputs; the others write theirs under workers/WORKER), this process's index and how many train together."""
-
-    backend: str
-    strategy: object
-    chief: bool
-    worker: int
-    workers: int
-
-    def agree(self):
-        """The function every process calls after each step so that a signal stops them all at one step
-        (`keras_vit.callbacks.StopOnSignal`'s `agree`); None for one process."""
-        if self.workers < 2:
-            return None
-        return vit_callbacks.any_process() if self.backend == "jax" else distribute.any_replica(self.strategy)
-
-
-def topology(strategy=None):
-    """The job's `Topology`: on TensorFlow `strategy` (by default one device) and its cluster; on JAX the
-    processes of `keras.distribution`; otherwise one process. A strategy on another backend is refused."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        strategy = strategy or get_strategy("one_device")
-        worker = getattr(getattr(strategy, "cluster_resolver", None), "task_id", None) or 0
-        return Topology(backend, strategy, is_chief(strategy), worker, distribute.num_workers(strategy))
-    if strategy is not None:
-        raise ValueError(
-            f"A tf.distribute strategy needs Keras' TensorFlow backend; this is {backend!r}. "
-            "On JAX, set a keras.distribution (keras_vit.parallel.make_distribution). "
-            f"Received: strategy={strategy!r}"
-        )
-    if backend == "jax":
-        import jax
-
-        return Topology(backend, None, jax.process_index() == 0, jax.process_index(), jax.process_count())
-    return Topology(backend, None, True, 0, 1)
-
-
 @dataclasses.dataclass
 class Run:
     """What the job's stages share: the config, where the run writes, where it runs, its data and schedule."""
 
     config: object
     workdir: str
-    topology: Topology
+    topology: topology.Topology
     dataset: object  # datasets.Data
     steps_per_epoch: int
     steps_per_execution: int
@@ -206,45 +165,6 @@ class Fitting:
     log: vit_callbacks.CSVLog
 
 
-class Phases:
-    """Wall-clock seconds of the job's phases, in the order they ran: `--profile_phases` prints them as a
-    table, to see what a run spends outside its training steps."""
-
-    def __init__(self):
-        self.seconds = {}
-
-    def add(self, name, seconds):
-        self.seconds[name] = self.seconds.get(name, 0.0) + max(0.0, seconds)
-
-    @contextlib.contextmanager
-    def timing(self, name):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, time.perf_counter() - start)
-
-    def add_fit(self, seconds, throughput):
-        """`fit`'s `seconds`, split by `throughput` (`keras_vit.callbacks.Throughput`) into the first training
-        step (tracing and compiling), the other steps, the validation and the rest."""
-        first, steps = throughput.step_seconds()
-        self.add("training: first step (tracing, compiling)", first)
-        self.add("training: the other steps", steps)
-        self.add("validation in fit", throughput.validation_seconds)
-        self.add("fit: the rest (starting the input, epoch ends: logs, best.keras, figures)",
-                 seconds - first - steps - throughput.validation_seconds)  # fmt: skip
-
-    def table(self):
-        """The phases, their seconds and shares, the total and what lies outside the training steps."""
-        total = sum(self.seconds.values())
-        rows = [f"{'phase':<76} {'seconds':>8} {'share':>6}"]
-        rows += [f"{name:<76} {seconds:8.2f} {seconds / total:6.1%}" for name, seconds in self.seconds.items()]
-        outside = total - self.seconds.get("training: the other steps", 0.0)
-        rows.append(f"{'total':<76} {total:8.2f}")
-        rows.append(f"{'outside the training steps':<76} {outside:8.2f} {outside / total:6.1%}")
-        return "\n".join(rows)
-
-
 def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrite=False, phases=None):
     """Runs the whole job; returns the metrics it writes to `workdir`.
 
@@ -254,7 +174,7 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrit
     batch size in `config` is global.  `callbacks` are added to `fit`'s own.
     A `workdir` that holds a finished run (its metrics.json) is refused
     (`FinishedRunError`) unless `overwrite`, which deletes it first; one that
-    holds an interrupted run's backup resumes it.  `phases` (a `Phases`)
+    holds an interrupted run's backup resumes it.  `phases` (a `jobs.Phases`)
     gets the seconds of each phase.
 
     The stages, each a function of its own, in order: `prepare_run` (where it runs, every check, the data;
@@ -263,7 +183,7 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrit
     step), `fit` (the rest of an interrupted epoch, then the epochs after it) and `report` (the test split,
     model.keras, metrics.json, figures, exports, best.keras).
     """
-    phases = Phases() if phases is None else phases
+    phases = jobs.Phases() if phases is None else phases
     with phases.timing("checks, data"):
         run = prepare_run(config, workdir, strategy, overwrite=overwrite)
     with phases.timing("model: built, compiled; restored from a backup"):
@@ -307,7 +227,7 @@ def prepare_run(config, workdir, strategy=None, *, overwrite=False):
     here, before a work directory is made or a file replaced. A worker that is not the chief writes under
     workdir/workers/INDEX."""
     config_checks.check_config(config)
-    where = topology(strategy)
+    where = topology.topology(strategy)
     if not overwrite:
         _check_not_finished(workdir)
     if not where.chief:
@@ -518,7 +438,7 @@ def report(run, model, fitting, phases=None):
     the figures and exports; best.keras on the same data; metrics.json and history.json (every epoch of the
     run, those before a restart included, as log.csv has them). Returns the metrics."""
     config, dataset, workdir = run.config, run.dataset, run.workdir
-    timing = (Phases() if phases is None else phases).timing
+    timing = (jobs.Phases() if phases is None else phases).timing
     test_ds = dataset.make_test()
     with timing("test split: evaluated, eval/ written"):
         final = evaluation.evaluate(model, test_ds, class_names=dataset.class_names, strategy=run.strategy)
@@ -604,52 +524,13 @@ def report_best(run, model, test_ds):
     return metrics, extra
 
 
-def distribute_on_jax(config, kind="auto", mesh_shape=None, multi_host=False):
-    """Sets the keras.distribution of --distribution, --mesh_shape and --multi_host (Keras' JAX backend).
-
-    `kind` is "auto" (data parallel over several devices, else none), "none",
-    "data_parallel" or "model_parallel"; `mesh_shape` the (batch, model) mesh,
-    by default `keras_vit.parallel.make_distribution`'s.
-    """
-    if multi_host:
-        # Reads the coordinator from the environment (KERAS_DISTRIBUTION_* or the TPU pod's own).
-        keras.distribution.initialize()
-    if kind == "auto":
-        kind = "data_parallel" if len(keras.distribution.list_devices()) > 1 else "none"
-    if kind == "none":
-        logging.info("Distribution: none (one device)")
-        return
-    mesh_shape = tuple(int(n) for n in mesh_shape) if mesh_shape else None
-    distribution = parallel.make_distribution(
-        kind, mesh_shape, batch_size=config.batch_size, config=models.vit_config(config)
-    )
-    keras.distribution.set_distribution(distribution)
-    logging.info(
-        "Distribution: %s over a %s mesh %s", type(distribution).__name__,
-        dict(zip(distribution.device_mesh.axis_names, distribution.device_mesh.shape)),
-        "of this host's devices" if not multi_host else "across hosts",
-    )
-
-
-def process_seconds():
-    """Wall-clock seconds since this process started (Linux: /proc); None elsewhere."""
-    try:
-        with open("/proc/self/stat") as f:
-            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return uptime - started / os.sysconf("SC_CLK_TCK")
-
-
 def main(cli):
     """The command line's job: the strategy or distribution first, then `train_and_evaluate`."""
     config, workdir = cli.config.value, cli.workdir.value
     if keras.backend.backend() == "jax":
         if cli.strategy.value != "auto" or cli.tpu.value:
             raise app.UsageError("--strategy and --tpu are for the TensorFlow backend; on JAX use --distribution.")
-        distribute_on_jax(config, cli.distribution.value, cli.mesh_shape.value, cli.multi_host.value)
+        topology.distribute_on_jax(config, cli.distribution.value, cli.mesh_shape.value, cli.multi_host.value)
         strategy = None
     elif keras.backend.backend() == "tensorflow":
         if cli.distribution.value not in ("auto", "none") or cli.mesh_shape.value or cli.multi_host.value:
@@ -661,8 +542,8 @@ def main(cli):
         strategy = get_strategy(cli.strategy.value, cli.tpu.value)
     else:
         strategy = None
-    phases = Phases()
-    imported = process_seconds()
+    phases = jobs.Phases()
+    imported = jobs.process_seconds()
     if imported is not None:
         phases.add("imports, flags, distribution (from the process's start)", imported)
     metrics = train_and_evaluate(config, workdir, strategy, overwrite=cli.overwrite.value, phases=phases)

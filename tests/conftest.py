@@ -139,7 +139,7 @@ def digits_job(tmp_path_factory):
     it (evaluation, TensorBoard): (workdir, config, metrics, the seconds of its phases and the job's)."""
     import time
 
-    from experiments import train
+    from experiments import jobs, train
     from tests.test_model_selection import tiny_digits_config
 
     config = tiny_digits_config(epochs=2)
@@ -147,7 +147,7 @@ def digits_job(tmp_path_factory):
     config.steps_per_execution = 4
     config.export = "saved_model,tflite"
     workdir = tmp_path_factory.mktemp("digits_job")
-    phases, start = train.Phases(), time.perf_counter()
+    phases, start = jobs.Phases(), time.perf_counter()
     metrics = train.train_and_evaluate(config, str(workdir), phases=phases)
     return workdir, config, metrics, (phases, time.perf_counter() - start)
 

@@ -17,7 +17,8 @@ from tests.conftest import ROOT, run_command_line, run_module
 
 # The jobs, and the flags each defines when it runs as a program.
 JOB_FLAGS = {
-    "train": ["config", "distribution", "mesh_shape", "multi_host", "overwrite", "strategy", "tpu", "workdir"],
+    "train": ["config", "distribution", "mesh_shape", "multi_host", "overwrite", "profile_phases", "strategy", "tpu",
+              "workdir"],
     "scaling": ["config", "workdir"],
     "transfer": ["config", "workdir"],
     "export": [

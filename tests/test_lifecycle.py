@@ -334,7 +334,7 @@ def test_backups_every_few_seconds_of_training_count_the_runs_steps(tmp_path, mo
     import types
 
     clock = iter(range(0, 10_000, 7))  # Seconds: 7 s pass between two reads of the Backup's clock.
-    monkeypatch.setattr(callbacks, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    monkeypatch.setattr(callbacks.state, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
     model = small_vit()
     backup = Backup(str(tmp_path / "run"), save_freq=100, keep=10, save_seconds=20)
     model.fit(vit_data.training_stream(small_split(), 8, num_classes=4), epochs=1, steps_per_epoch=6, verbose=0,
@@ -390,10 +390,10 @@ def test_help_lists_the_config_fields_and_exits_0():
     assert "--workdir" in printed and "--overwrite" in printed
     assert "    --config.epochs=60" in printed and "--config.model.variant='Ti/2'" in printed
     assert "--config.grace_seconds=30.0" in printed and "--[no]profile_phases" in printed
-    from experiments import train
+    from experiments import jobs
 
     # --profile_phases counts the imports from the process's start.
-    assert 0 < train.process_seconds() < time.monotonic() + 1
+    assert 0 < jobs.process_seconds() < time.monotonic() + 1
 
 
 # === The command: SIGTERM mid-epoch, the rerun resumes and ends as the uninterrupted run ===
