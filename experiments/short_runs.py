@@ -11,7 +11,7 @@ import keras
 import numpy as np
 
 from experiments.models import compile_model, make_optimizer
-from keras_vit import compat
+from keras_vit import compat, training
 from keras_vit import data as vit_data
 
 
@@ -42,7 +42,7 @@ class BestOnValidation(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         # With a moving average of the weights (config.ema_momentum), the average is what is measured and kept.
-        averaged = getattr(getattr(self.model.optimizer, "inner_optimizer", self.model.optimizer), "use_ema", False)
+        averaged = training.keeps_moving_average(self.model.optimizer)
         if averaged:
             compat.swap_moving_average(self.model.optimizer)
         try:

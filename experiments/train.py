@@ -149,9 +149,6 @@ class Start:
     epoch: int  # the epoch in progress at `step`
     resumed: backups.Resumed  # what the backup held (all zeros and None for a run that starts afresh)
 
-    def steps_into_epoch(self, steps_per_epoch):
-        return self.step - self.epoch * steps_per_epoch
-
 
 @dataclasses.dataclass
 class Fitting:
@@ -310,11 +307,10 @@ def restore(run, model):
     with run.scope():  # The optimizer's variables are made (and loaded) where the strategy places them.
         resumed = backups.restore_state(model, folder)
     step = resumed.step if resumed.step is not None else resumed.epoch * run.steps_per_epoch
-    epoch = step // run.steps_per_epoch
+    epoch, into = divmod(step, run.steps_per_epoch)
     if step:
         logging.info("Resuming from %s at step %d of %d (epoch %d of %d, step %d of %d).", folder, step,
-                     run.total_steps, epoch + 1, run.config.epochs, step - epoch * run.steps_per_epoch,
-                     run.steps_per_epoch)  # fmt: skip
+                     run.total_steps, epoch + 1, run.config.epochs, into, run.steps_per_epoch)  # fmt: skip
     else:
         _clear_earlier_attempt(run.workdir)
     return Start(step, epoch, resumed)
@@ -350,7 +346,7 @@ def fit_callbacks(run, model, start, extra=()):
         save_freq="epoch" if config.backup_every == "epoch" else int(config.backup_every),
         save_seconds=config.backup_minutes * 60 or None,
         total_steps=run.total_steps,
-        resumed=start.resumed if start.steps_into_epoch(run.steps_per_epoch) else None,
+        resumed=start.resumed,  # With a backup written mid-epoch, that epoch's metrics so far.
         start_step=start.step,
     )
     # Several workers stop together: each asks the others after every step (one collective of one integer).

@@ -4,7 +4,7 @@ When a run writes one is `keras_vit.callbacks.Backup`'s choice (a `fit` callback
 A backup is a pair of files in its folder (local or gs://), numbered in the order they were written:
 `state-NNNNNNNN.weights.h5` (the model's and the optimizer's variables, as `model.save_weights` writes them)
 and `state-NNNNNNNN.json` (the epoch and the step, counted in batches, to resume from, the random generators'
-states, and, for a backup written mid-epoch, the epoch's metrics so far and where the input pipelines were;
+states, where the input pipelines were, and, for a backup written mid-epoch, the epoch's metrics so far;
 written after the weights: a backup without its JSON is incomplete and is never used). Both are written through
 `keras_vit.files`, so a failed write leaves no partial file, and the last two backups are kept.
 

@@ -75,6 +75,12 @@ class WarmupLinearDecay(keras.optimizers.schedules.LearningRateSchedule):
         return {"base_rate": self.base_rate, "total_steps": self.total_steps, "warmup_steps": self.warmup_steps}
 
 
+def keeps_moving_average(optimizer):
+    """Whether `optimizer` (or the one a `LossScaleOptimizer` wraps) keeps a moving average of the weights
+    (`use_ema=True`)."""
+    return bool(getattr(getattr(optimizer, "inner_optimizer", optimizer), "use_ema", False))
+
+
 def layer_decay_scales(model, decay):
     """Layer-wise learning-rate decay (BEiT, Bao et al. 2021; timm's `--layer-decay`): `{variable.path: factor}`
     for `model`'s trainable variables, for `learning_rate_scales`.

@@ -28,6 +28,7 @@ from keras_vit.callbacks.reporting import (
     Throughput,
 )
 from keras_vit.callbacks.state import Backup, StopOnSignal, StoppedBySignal, any_process
+from keras_vit.training import keeps_moving_average
 
 __all__ = [
     "AtomicModelCheckpoint",
@@ -72,8 +73,7 @@ class RunCallbacks(keras.callbacks.CallbackList):
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
-        optimizer = getattr(self.model, "optimizer", None)
-        if epoch == self.goes_on_after and getattr(getattr(optimizer, "inner_optimizer", optimizer), "use_ema", False):
+        if epoch == self.goes_on_after and keeps_moving_average(getattr(self.model, "optimizer", None)):
             self._trained = [keras.ops.copy(v.value) for v in self.model.trainable_variables]
 
     def on_train_end(self, logs=None):

@@ -104,6 +104,7 @@ class CSVLog(keras.callbacks.Callback):
         self.path = path
         self.header, self.rows = None, []
         self.first_epoch = first_epoch
+        self._read = False
 
     def read(self):
         """Reads the rows the file holds, those of epochs from `first_epoch` on left out: the rows this log
@@ -118,10 +119,12 @@ class CSVLog(keras.callbacks.Callback):
                 self.header, self.rows = lines[0].split(","), lines[1:]
         if self.first_epoch is not None:
             self.rows = [row for row in self.rows if int(row.split(",", 1)[0]) < self.first_epoch]
+        self._read = True
         return self.columns()
 
     def on_train_begin(self, logs=None):
-        self.read()
+        if not self._read:  # Read already (the job reads it for best.keras's bar): the rows are in memory.
+            self.read()
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
@@ -257,8 +260,7 @@ class Progress(keras.callbacks.Callback):
         self.bar, self.seen = None, 0
 
     def on_epoch_begin(self, epoch, logs=None):
-        verbose, epochs, steps = (self.params.get(k) for k in ("verbose", "epochs", "steps"))
-        verbose = 1 if verbose == "auto" else verbose
+        verbose, epochs, steps = self._verbose(), self.params.get("epochs"), self.params.get("steps")
         done = self.start_step - epoch * steps if steps else 0
         done = done if 0 < done < steps else 0
         self.bar, self.seen = None, 0
@@ -271,12 +273,17 @@ class Progress(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.seen = batch + 1
-        if self.bar is not None and self.params.get("verbose") in (1, "auto"):
+        if self.bar is not None and self._verbose() == 1:
             self.bar.update(self.seen, list((logs or {}).items()), finalize=False)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.bar is not None:
             self.bar.update(self.seen, list((logs or {}).items()), finalize=True)
+
+    def _verbose(self):
+        """`fit`'s verbose: 0, 1 (a bar) or 2 (a line per epoch); "auto" is 1."""
+        verbose = self.params.get("verbose")
+        return 1 if verbose == "auto" else verbose
 
 
 class Throughput(keras.callbacks.Callback):
