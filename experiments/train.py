@@ -156,7 +156,7 @@ class Fitting:
 
     callbacks: list
     throughput: vit_callbacks.Throughput
-    selects: bool  # Whether best.keras is chosen on the validation split.
+    selection: vit_callbacks.AtomicModelCheckpoint | None  # best.keras, chosen on the validation split
     backup: vit_callbacks.Backup
     stop: vit_callbacks.StopOnSignal
     log: vit_callbacks.CSVLog
@@ -366,7 +366,7 @@ def fit_callbacks(run, model, start, extra=()):
         *restored,
         *extra,
     ]
-    return Fitting(callbacks, throughput, bool(selection), backup, stop, log)
+    return Fitting(callbacks, throughput, selection[0] if selection else None, backup, stop, log)
 
 
 def fit(run, model, start, fitting):
@@ -479,9 +479,16 @@ def report(run, model, fitting, phases=None):
             metrics[f"export_{kind}"] = export_model(model, kind, workdir, dataset, config)
     with timing("extra test sets"):
         extra = evaluations.extra_evaluations(config, model, run.strategy)
-    if fitting.selects and tf.io.gfile.exists(run.best_path):
+    if fitting.selection is not None and tf.io.gfile.exists(run.best_path):
         with timing("best.keras: loaded, validation and test splits evaluated"):
-            best, best_extra = report_best(run, model, test_ds)
+            if fitting.selection.saved_epoch == run.config.epochs - 1:
+                # Written at the last epoch's end, best.keras is the final model (with a moving average, both
+                # are the average): its figures are the final model's, measured above.
+                best = {f"best_{name}": metrics[name] for name in
+                        ("validation_loss", "validation_accuracy", "test_loss", "test_accuracy")}  # fmt: skip
+                best_extra = {name: result["accuracy"] for name, result in extra.items() if "accuracy" in result}
+            else:
+                best, best_extra = report_best(run, model, test_ds)
         metrics.update(best)
         for name, accuracy in best_extra.items():
             extra[name]["best_accuracy"] = accuracy

@@ -242,17 +242,31 @@ def predict_with_labels(model, batches, strategy=None):
 
     `model.predict` runs the model, so a strategy or a keras.distribution
     spreads the work as in training; the labels ride along through a wrapper
-    model (built under `strategy`'s scope, the model's) that returns its label
-    input beside the logits.
+    model (built under `strategy`'s scope: by default the model's) that returns its label
+    input beside the logits.  The wrapper is made once per model, strategy and
+    kind of labels and kept on the model: every later call (another split, the
+    same model with other weights loaded) runs the function traced the first
+    time.
     """
     _, label_spec = batches.element_spec
-    with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        image = keras.Input(model.input_shape[1:], dtype=model.inputs[0].dtype, name="image")
-        label = keras.Input(label_spec.shape[1:], dtype=label_spec.dtype, name="label")
-        wrapper = keras.Model({"image": image, "label": label}, [model(image), label])
+    if strategy is None:  # TensorFlow: the strategy the model was built under (the default one if none).
+        strategy = getattr(model, "distribute_strategy", None)
+    key = (strategy, tuple(label_spec.shape[1:]), label_spec.dtype.name)
+    # Kept in an object that is neither a Keras object nor a container, which Keras' saving passes by.
+    wrappers = model.__dict__.setdefault("_keras_vit_label_predictors", _Wrappers()).models
+    if key not in wrappers:
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            image = keras.Input(model.input_shape[1:], dtype=model.inputs[0].dtype, name="image")
+            label = keras.Input(label_spec.shape[1:], dtype=label_spec.dtype, name="label")
+            wrappers[key] = keras.Model({"image": image, "label": label}, [model(image), label])
     with _quiet_retracing():
-        logits, labels = wrapper.predict(batches.map(lambda x, y: {"image": x, "label": y}), verbose=0)
+        logits, labels = wrappers[key].predict(batches.map(lambda x, y: {"image": x, "label": y}), verbose=0)
     return logits, labels
+
+
+class _Wrappers:
+    def __init__(self):
+        self.models = {}
 
 
 class _RetracingNote(logging.Filter):

@@ -2,6 +2,7 @@
 
 import json
 
+import keras
 import numpy as np
 import pytest
 import sklearn.metrics
@@ -109,6 +110,34 @@ def test_the_files_written(tmp_path):
     assert (tmp_path / "many" / "confusion_matrix.csv").read_text().splitlines()[1].startswith('"class, 0",1,0')
 
 
+def test_one_predict_function_serves_every_split_and_weights_loaded_later(tmp_path):
+    """`predict_with_labels` traces the model once: another split (with a last batch of another size) and
+    other weights loaded into the same model run the same function; the model saves and loads as before."""
+    import tensorflow as tf
+
+    model = randomize_weights(keras_vit.build_vit("testing", image_size=16, num_classes=7, patch_size=8,
+                                                  num_heads=2), scale=0.1)
+    images, labels = random_images((40, 16, 16, 3)), np.arange(40) % 7
+    splits = [tf.data.Dataset.from_tensor_slices((images[:n], labels[:n])).batch(16) for n in (40, 21)]
+    logits, read = evaluation.predict_with_labels(model, splits[0])
+    np.testing.assert_allclose(logits, model.predict(images, verbose=0), atol=1e-5)
+    np.testing.assert_array_equal(read, labels)
+    model.save(tmp_path / "before.keras")
+    (wrapper,) = model.__dict__["_keras_vit_label_predictors"].models.values()
+    traced = wrapper.predict_function
+    randomize_weights(model, scale=0.2, seed=1)
+    logits, read = evaluation.predict_with_labels(model, splits[1])
+    assert wrapper.predict_function is traced
+    assert len(model.__dict__["_keras_vit_label_predictors"].models) == 1
+    np.testing.assert_allclose(logits, model.predict(images[:21], verbose=0), atol=1e-5)
+    np.testing.assert_array_equal(read, labels[:21])
+    model.save(tmp_path / "after.keras")
+    for name in ("before", "after"):
+        loaded = keras.models.load_model(tmp_path / f"{name}.keras")
+        assert len(loaded.weights) == len(model.weights)
+    np.testing.assert_array_equal(loaded.predict(images, verbose=0), model.predict(images, verbose=0))
+
+
 @pytest.mark.slow
 def test_the_job_evaluates_the_training_jobs_model_as_the_training_job_did(digits_job, tmp_path):
     """The training job's final evaluation and the evaluation job (its command line, as a user runs it) are the
@@ -152,8 +181,9 @@ def test_the_job_reads_a_savedmodel_and_pretrained_weights(tmp_path):
     assert data[0].shape[1:] == (16, 16, 3) and names == [str(i) for i in range(10)] and "test" in what
 
 
-def tensorboard_images(folder):
-    """{tag: [(step, number of images)]} of the image summaries in the event files under `folder`."""
+def tensorboard_images(folder, decoded=None):
+    """{tag: [(step, number of images)]} of the image summaries in the event files under `folder`; `decoded`, a
+    dict if given, gets {(tag, step): the images as uint8 arrays}."""
     import glob
 
     import tensorflow as tf
@@ -164,8 +194,11 @@ def tensorboard_images(folder):
             for value in event.summary.value:
                 if value.metadata.plugin_data.plugin_name == "images":
                     pngs = value.tensor.string_val[2:]  # width, height, then the PNGs
-                    assert all(tf.io.decode_png(png).shape[0] > 10 for png in pngs)
+                    images = [tf.io.decode_png(png).numpy() for png in pngs]
+                    assert all(image.shape[0] > 10 for image in images)
                     found.setdefault(value.tag, []).append((event.step, len(pngs)))
+                    if decoded is not None:
+                        decoded[value.tag, event.step] = images
     return found
 
 
@@ -180,13 +213,17 @@ def test_tensorboard_gets_the_confusion_matrix_and_rollouts_each_epoch(tmp_path)
     labels = np.arange(96) % 10
     validation = tf.data.Dataset.from_tensor_slices((images[:40], labels[:40])).batch(16)
     figures = callbacks.TensorBoardFigures(tmp_path, validation, num_images=3)
-    assert figures.labels is None  # Nothing of the validation split is read before training.
+    assert figures.examples is None  # Nothing of the validation split is read before training.
     # At most 2 epochs of the 3 get the images: every second epoch and the last.
     spaced = callbacks.TensorBoardFigures(tmp_path / "spaced", validation, num_images=1, max_figures=2)
     model.fit(images, labels, epochs=3, batch_size=32, validation_data=validation, callbacks=[figures, spaced],
               verbose=0)  # fmt: skip
-    np.testing.assert_array_equal(figures.labels, labels[:40])
-    found = tensorboard_images(tmp_path / "validation")
+    decoded = {}
+    found = tensorboard_images(tmp_path / "validation", decoded)
+    # The last epoch's matrix is that of the trained model's predictions of the validation split.
+    predicted = model.predict(images[:40], verbose=0).argmax(-1)
+    expected = evaluation.confusion_image(evaluation.confusion_matrix(labels[:40], predicted, 10))
+    np.testing.assert_array_equal(decoded["confusion_matrix", 2][0], expected)
     assert found == {"confusion_matrix": [(0, 1), (1, 1), (2, 1)], "attention_rollout": [(0, 3), (1, 3), (2, 3)]}
     assert tensorboard_images(tmp_path / "spaced" / "validation") == {
         "confusion_matrix": [(1, 1), (2, 1)], "attention_rollout": [(1, 1), (2, 1)]

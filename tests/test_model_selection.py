@@ -339,6 +339,9 @@ def test_the_job_reports_the_final_and_the_best_model_on_each_split_and_on_the_e
         "absent": {"dataset": "tiny_absent", "split": "test", "label": "label"},
     }
     workdir = tmp_path / "run"
+    evaluated_best = []
+    report_best = train.report_best
+    monkeypatch.setattr(train, "report_best", lambda *args: evaluated_best.append(1) or report_best(*args))
     metrics, reads, validation_epochs = run_watched(config, workdir, monkeypatch)
     check_model_selection(reads, validation_epochs)
 
@@ -363,6 +366,12 @@ def test_the_job_reports_the_final_and_the_best_model_on_each_split_and_on_the_e
     assert metrics["best_validation_accuracy"] == pytest.approx(max(history["val_accuracy"]), abs=1e-6)
     assert metrics["best_validation_accuracy"] == pytest.approx(accuracy(best, held.validation), abs=1e-6)
     assert metrics["best_test_accuracy"] == pytest.approx(accuracy(best, held.test), abs=1e-6)
+    # best.keras is evaluated unless the last epoch wrote it (the first epoch with the best accuracy), when it is
+    # the final model, whose figures it takes.
+    best_is_final = int(np.argmax(history["val_accuracy"])) == len(history["val_accuracy"]) - 1
+    assert len(evaluated_best) == (not best_is_final)
+    if best_is_final:
+        assert metrics["best_test_loss"] == metrics["test_loss"], metrics
 
     extra = metrics["extra_evals"]
     assert extra["absent"]["data"] == "tfds:tiny_absent:test" and "not prepared" in extra["absent"]["skipped"]

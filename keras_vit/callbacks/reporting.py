@@ -1,13 +1,14 @@
 """What a run writes and shows: `EMAWeights`, `CSVLog`, `AtomicModelCheckpoint`, `TensorBoardFigures`, `Progress`,
 `Throughput`."""
 
+import os
 import time
 
 import keras
 import numpy as np
 
 from keras_vit.compat import swap_moving_average
-from keras_vit.evaluation import confusion_image, confusion_matrix, rollout_images
+from keras_vit.evaluation import confusion_image, confusion_matrix, predict_with_labels, rollout_images
 from keras_vit.files import atomic_path, write_text_atomically
 from keras_vit.layers.common import check_positive_int
 
@@ -150,7 +151,8 @@ class AtomicModelCheckpoint(keras.callbacks.ModelCheckpoint):
     leave a damaged file where the best model was.  Here each save goes to a
     temporary beside `filepath` (`keras_vit.files.atomic_path`), renamed onto
     it once complete.  Saves once per epoch (`save_freq="epoch"`), to one
-    path (no `{epoch}` placeholders).
+    path (no `{epoch}` placeholders); `saved_epoch` says which epoch's end
+    wrote it last.
     """
 
     def __init__(self, filepath, **kwargs):
@@ -161,6 +163,7 @@ class AtomicModelCheckpoint(keras.callbacks.ModelCheckpoint):
             raise ValueError(f"AtomicModelCheckpoint writes one path, without placeholders. Received: {filepath!r}")
         super().__init__(filepath, **kwargs)
         self.destination = filepath
+        self.saved_epoch = None  # The epoch whose end wrote the file last, in this process.
 
     def on_epoch_end(self, epoch, logs=None):
         # Keras reads the format from the name's end (".keras", ".h5", ".weights.h5"): the temporary keeps it.
@@ -170,6 +173,8 @@ class AtomicModelCheckpoint(keras.callbacks.ModelCheckpoint):
                 # What `ModelCheckpoint` saves, if anything, goes to the temporary.
                 self.filepath = temporary
                 super().on_epoch_end(epoch, logs)
+                if os.path.lexists(temporary):
+                    self.saved_epoch = epoch
         finally:
             self.filepath = self.destination
 
@@ -203,7 +208,7 @@ class TensorBoardFigures(keras.callbacks.Callback):
         self.max_figures = check_positive_int("max_figures", max_figures, optional=True)
         self.log_dir, self.validation_data = str(log_dir), validation_data
         self.num_images, self.max_examples = num_images, max_examples
-        self.writer = self.images = self.labels = self.rollout_inputs = None
+        self.writer = self.examples = self.rollout_inputs = None
 
     def writes_at(self, epoch):
         """Whether the images are written at the end of `epoch` (0-based) of the run's `params["epochs"]`: every
@@ -215,19 +220,15 @@ class TensorBoardFigures(keras.callbacks.Callback):
         return (epoch + 1) % every == 0 or epoch + 1 == epochs
 
     def _prepare(self):
-        """The writer, the examples and their labels, and the rollout images: read at the first epoch's end, so
-        that nothing of the validation split is read before training starts."""
+        """The writer, the examples and the rollout images: read at the first epoch's end, so that nothing of the
+        validation split is read before training starts."""
         import tensorflow as tf
 
         self.writer = tf.summary.create_file_writer(tf.io.gfile.join(self.log_dir, "validation"))
         batch = self.validation_data.element_spec[0].shape[0]
-        batches = self.validation_data.take(-(-self.max_examples // batch) if batch else self.max_examples)
-        # The images stay a dataset (2,048 ImageNet images are 300 MB); the labels and the few rollout images
-        # are read once.
-        self.images = batches.map(lambda x, y: x)
-        labels = np.concatenate([np.asarray(y) for y in batches.map(lambda x, y: y).as_numpy_iterator()])
-        self.labels = labels.argmax(-1) if labels.ndim == 2 else labels.astype(np.int64)
-        rollout_batches = batches.unbatch().take(self.num_images).batch(max(self.num_images, 1))
+        # The examples stay a dataset (2,048 ImageNet images are 300 MB); the few rollout images are read once.
+        self.examples = self.validation_data.take(-(-self.max_examples // batch) if batch else self.max_examples)
+        rollout_batches = self.examples.unbatch().take(self.num_images).batch(max(self.num_images, 1))
         self.rollout_inputs = next(iter(rollout_batches.map(lambda x, y: x).as_numpy_iterator()), np.zeros((0,)))
 
     def on_epoch_end(self, epoch, logs=None):
@@ -237,8 +238,10 @@ class TensorBoardFigures(keras.callbacks.Callback):
             return
         if self.writer is None:
             self._prepare()
-        logits = self.model.predict(self.images, verbose=0)
-        confusion = confusion_matrix(self.labels, logits.argmax(axis=-1), logits.shape[-1])
+        # The function the job's evaluations run too: traced once for the run.
+        logits, labels = predict_with_labels(self.model, self.examples)
+        labels = labels.argmax(-1) if labels.ndim == 2 else labels.astype(np.int64)
+        confusion = confusion_matrix(labels, logits.argmax(axis=-1), logits.shape[-1])
         with self.writer.as_default():
             tf.summary.image("confusion_matrix", confusion_image(confusion)[None], step=epoch)
             if len(self.rollout_inputs):
