@@ -480,7 +480,7 @@ def report(run, model, fitting, phases=None):
     with timing("extra test sets"):
         extra = evaluations.extra_evaluations(config, model, run.strategy)
     if fitting.selection is not None and tf.io.gfile.exists(run.best_path):
-        with timing("best.keras: loaded, validation and test splits evaluated"):
+        with timing("best.keras: evaluated unless it is the final model"):
             if fitting.selection.saved_epoch == run.config.epochs - 1:
                 # Written at the last epoch's end, best.keras is the final model (with a moving average, both
                 # are the average): its figures are the final model's, measured above.
