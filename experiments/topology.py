@@ -8,7 +8,7 @@ from absl import logging
 
 from experiments import models
 from keras_vit import callbacks, distribute, parallel
-from keras_vit.distribute import get_strategy, is_chief
+from keras_vit.distribute import is_chief
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +32,14 @@ class Topology:
 
 
 def topology(strategy=None):
-    """The job's `Topology`: on TensorFlow `strategy` (by default one device) and its cluster; on JAX the
+    """The job's `Topology`: on TensorFlow `strategy` (by default the one whose scope is entered, else none:
+    TensorFlow's default strategy) and its cluster; on JAX the
     processes of `keras.distribution`; otherwise one process. A strategy on another backend is refused."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
-        strategy = strategy or get_strategy("one_device")
+        import tensorflow as tf
+
+        strategy = strategy or tf.distribute.get_strategy()
         worker = getattr(getattr(strategy, "cluster_resolver", None), "task_id", None) or 0
         return Topology(backend, strategy, is_chief(strategy), worker, distribute.num_workers(strategy))
     if strategy is not None:

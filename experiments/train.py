@@ -166,8 +166,9 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrit
     """Runs the whole job; returns the metrics it writes to `workdir`.
 
     TensorFlow backend: `strategy` is a `tf.distribute.Strategy`, by default
-    one device.  Other backends: no strategy; on JAX the `keras.distribution`
-    in force (`keras.distribution.set_distribution`) spreads the work.  The
+    the one in force (outside every scope none: TensorFlow's default).  Other
+    backends: no strategy; on JAX the `keras.distribution` in force
+    (`keras.distribution.set_distribution`) spreads the work.  The
     batch size in `config` is global.  `callbacks` are added to `fit`'s own.
     A `workdir` that holds a finished run (its metrics.json) is refused
     (`FinishedRunError`) unless `overwrite`, which deletes it first; one that
@@ -389,6 +390,11 @@ def fit(run, model, start, fitting):
             if step and position is None and positions is not None:
                 logging.warning("The backup does not say where the input was: the input starts new passes.")
             fitting.backup.input_position = positions.after if positions is not None else None
+            if step == start.step and start.resumed.metrics is not None and isinstance(batches, tf.data.Dataset):
+                # The interrupted epoch's metrics go back at its start (Backup). Keras makes the compiled metrics
+                # before the first step under a strategy and on JAX, but without a strategy only as it traces
+                # that step: made here from the batches' shapes.
+                keras_vit.compat.build_for_fit(model, batches.element_spec)
             callback_list.goes_on_after = epoch if into else None
             model.fit(
                 batches,

@@ -2,8 +2,9 @@
 
 `get_strategy("auto")` picks the best available: a TPU when one resolves
 (`tpu=`, TPU_NAME, or the TPU of a Cloud TPU VM), several workers when
-TF_CONFIG names a cluster, several GPUs, else one device; it logs which and
-how many replicas.  Call it before anything is traced or placed: a TPU must be
+TF_CONFIG names a cluster, several GPUs, one GPU, else no distribution
+(TensorFlow's default strategy, `no_distribution()`, on this host's CPU); it
+logs which and how many replicas.  Call it before anything is traced or placed: a TPU must be
 connected first.  Build the model and optimizer under `strategy.scope()`;
 `fit` then splits each global batch across the replicas.
 """
@@ -72,7 +73,7 @@ def get_strategy(name="auto", tpu=None):
         strategy, reason = _named_strategy(name, tpu), "asked for"
     logging.info(
         "Strategy: %s with %d replica(s) (%s: %s)",
-        type(strategy).__name__, strategy.num_replicas_in_sync, name, reason,
+        strategy_name(strategy), strategy.num_replicas_in_sync, name, reason,
     )
     return strategy
 
@@ -110,8 +111,31 @@ def _auto_strategy(tpu):
     gpus = len(tf.config.list_logical_devices("GPU"))
     if gpus > 1:
         return _named_strategy("mirrored", tpu), f"{gpus} GPUs found"
-    strategy = _named_strategy("one_device", tpu)
-    return strategy, f"no TPU, no cluster, {gpus} GPU(s): {strategy.extended.worker_devices[0]}"
+    if gpus == 1:
+        strategy = _named_strategy("one_device", tpu)
+        return strategy, f"no TPU, no cluster, one GPU: {strategy.extended.worker_devices[0]}"
+    # On the CPU a OneDeviceStrategy has no device to copy batches to: its distributed iterator (a
+    # MultiDeviceIterator) only adds a thread and a copy per batch, and deleting it at fit's end has been
+    # seen to wait up to a minute for that thread. Without a strategy, Keras iterates the dataset itself.
+    return no_distribution(), "no TPU, no cluster, no GPU: this host's CPU, no distribution"
+
+
+def no_distribution():
+    """TensorFlow's default strategy: no distribution, what `tf.distribute.get_strategy()` is outside every
+    strategy's scope (one replica on the default device; `fit` iterates datasets as they are)."""
+    with tf.Graph().as_default():  # A new graph has no strategy's scope entered.
+        return tf.distribute.get_strategy()
+
+
+def strategy_name(strategy):
+    """The class name of `strategy`, "none (TensorFlow's default strategy)" for `no_distribution()`."""
+    return "none (TensorFlow's default strategy)" if strategy is no_distribution() else type(strategy).__name__
+
+
+def on_one_device(strategy):
+    """Whether `strategy` runs one replica on one device, as without a strategy: None, `no_distribution()` or a
+    `tf.distribute.OneDeviceStrategy`."""
+    return strategy is None or strategy is no_distribution() or isinstance(strategy, tf.distribute.OneDeviceStrategy)
 
 
 def multi_worker_strategy():

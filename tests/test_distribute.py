@@ -105,8 +105,14 @@ def test_auto_finds_the_tpu_of_a_tpu_vm_and_logs_its_choice(monkeypatch, caplog)
     # parsed, --verbosity at its default) leaves at WARNING.
     caplog.set_level(logging.INFO, logger="absl")
     strategy = distribute.get_strategy("auto")
-    assert isinstance(strategy, tf.distribute.OneDeviceStrategy)
-    assert "Strategy: OneDeviceStrategy with 1 replica(s) (auto: no TPU" in caplog.text
+    # This machine's CPU: no strategy (TensorFlow's default, what `fit` uses outside every scope), so that
+    # Keras reads the data itself; XLA's rule is that of one device.
+    assert strategy is distribute.no_distribution() is tf.distribute.get_strategy()
+    assert distribute.on_one_device(strategy) and not tf.distribute.has_strategy()
+    assert "Strategy: none (TensorFlow's default strategy) with 1 replica(s) (auto: no TPU, no cluster, no GPU" in (
+        caplog.text
+    )
+    assert isinstance(distribute.get_strategy("one_device"), tf.distribute.OneDeviceStrategy)
 
     asked = []
 
@@ -142,7 +148,7 @@ def test_jit_compile_auto_follows_the_strategy(monkeypatch):
     device; a strategy over a GPU is read as a GPU even on this CPU-only machine."""
     import tensorflow as tf
 
-    from keras_vit import compat
+    from keras_vit import compat, distribute
     from keras_vit.training import resolve_jit_compile
 
     for onednn in (False, True):
@@ -150,9 +156,12 @@ def test_jit_compile_auto_follows_the_strategy(monkeypatch):
         with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
             assert resolve_jit_compile("auto") is False
             assert resolve_jit_compile("on") is True  # An explicit choice stands.
-        with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
-            assert resolve_jit_compile("auto") is True  # float32 training on a CPU
-            assert resolve_jit_compile("auto", "mixed_bfloat16") is (not onednn)
+        for one_device in (tf.distribute.OneDeviceStrategy("/cpu:0"), distribute.no_distribution()):
+            with one_device.scope():
+                assert resolve_jit_compile("auto") is True  # float32 training on a CPU
+                assert resolve_jit_compile("auto", "mixed_bfloat16") is (not onednn)
+            assert resolve_jit_compile("auto", strategy=one_device) is True
+            assert resolve_jit_compile("auto", "mixed_bfloat16", strategy=one_device) is (not onednn)
         with tf.distribute.OneDeviceStrategy("/gpu:0").scope():
             assert resolve_jit_compile("auto", "mixed_bfloat16", training=False) is True
         strategy = tf.distribute.MirroredStrategy(["/cpu:0"])

@@ -34,7 +34,10 @@ class Backup(keras.callbacks.Callback):
     is written, at a multiple of the steps per epoch or after a whole epoch of `fit`.  Pass `resumed`
     (`keras_vit.backups.restore_state`'s answer) when the run goes on by finishing the interrupted epoch: the
     epoch's metrics, saved with a backup written mid-epoch, are put back at its start, so that the epoch
-    reports what the uninterrupted run's reports.  Set `keep_at_end` to keep the backups when training ends.
+    reports what the uninterrupted run's reports.  The model's compiled metrics must exist by then: Keras makes
+    them at `fit`'s start under a tf.distribute strategy and on JAX, but TensorFlow without a strategy makes them
+    as it traces the first step (make them first: `keras_vit.compat.build_for_fit(model, batches.element_spec)`).
+    Set `keep_at_end` to keep the backups when training ends.
     """
 
     def __init__(self, folder, save_freq="epoch", keep=2, save_seconds=None, *, total_steps=None, resumed=None,
@@ -74,7 +77,7 @@ class Backup(keras.callbacks.Callback):
             if len(metrics) != len(variables):
                 raise ValueError(
                     f"The backup holds {len(metrics)} metric variables; the model has {len(variables)}: it is not "
-                    "this run's."
+                    "this run's, or the model's compiled metrics are not made yet (see Backup's `resumed`)."
                 )
             for variable, value in zip(variables, metrics):
                 _assign_metric(self.model, variable, np.asarray(value, dtype=variable.dtype))

@@ -183,7 +183,7 @@ def use_xla(precision=None, training=True, strategy=None):
       device CPU:1 from device CPU:0"), and XLA has no CPU collectives for
       `MultiWorkerMirroredStrategy` ("Collectives are not yet implemented for
       CPU devices when compiling with XLA").
-    - Otherwise (no strategy, `OneDeviceStrategy`, Keras' JAX backend with
+    - Otherwise (no strategy or TensorFlow's default one, `OneDeviceStrategy`, Keras' JAX backend with
       or without `keras.distribution`):
       - GPU, TPU and the JAX backend: XLA, always.
       - CPU, TensorFlow with oneDNN (`keras_vit.compat.onednn_enabled()`):
@@ -222,12 +222,10 @@ def use_xla(precision=None, training=True, strategy=None):
 
 
 def _one_device(strategy=None):
-    """Whether `strategy` (default: TensorFlow's strategy in force) is none at all or a
-    `OneDeviceStrategy`, where XLA compiles the step as without a strategy."""
+    """Whether `strategy` (default: TensorFlow's strategy in force) is none at all, TensorFlow's default one
+    or a `OneDeviceStrategy`, where XLA compiles the step as without a strategy."""
     import tensorflow as tf
 
-    if strategy is None:
-        if not tf.distribute.has_strategy():
-            return True
-        strategy = tf.distribute.get_strategy()
-    return isinstance(strategy, tf.distribute.OneDeviceStrategy)
+    from keras_vit.distribute import on_one_device
+
+    return on_one_device(strategy or tf.distribute.get_strategy())
