@@ -390,11 +390,13 @@ def fit(run, model, start, fitting):
             if step and position is None and positions is not None:
                 logging.warning("The backup does not say where the input was: the input starts new passes.")
             fitting.backup.input_position = positions.after if positions is not None else None
-            if step == start.step and start.resumed.metrics is not None and isinstance(batches, tf.data.Dataset):
-                # The interrupted epoch's metrics go back at its start (Backup). Keras makes the compiled metrics
-                # before the first step under a strategy and on JAX, but without a strategy only as it traces
-                # that step: made here from the batches' shapes.
-                keras_vit.compat.build_for_fit(model, batches.element_spec)
+            if step == start.step and isinstance(batches, tf.data.Dataset):
+                # What fit makes before its first step (the compiled metrics, the loss) made from the batches'
+                # shapes, as Keras does under a strategy and on JAX. TensorFlow without a strategy makes them as it
+                # traces the first step, so that tf.function traces it twice (about 7 s of the digits' 14 s);
+                # and a resumed epoch's metrics go back before that step (Backup).
+                with run.scope():
+                    keras_vit.compat.build_for_fit(model, batches.element_spec)
             callback_list.goes_on_after = epoch if into else None
             model.fit(
                 batches,
