@@ -33,8 +33,8 @@ class Topology:
 
 def topology(strategy=None):
     """The job's `Topology`: on TensorFlow `strategy` (by default the one whose scope is entered, else none:
-    TensorFlow's default strategy) and its cluster; on JAX the
-    processes of `keras.distribution`; otherwise one process. A strategy on another backend is refused."""
+    TensorFlow's default strategy) and its cluster; on JAX the processes of `keras.distribution`; otherwise one
+    process. A strategy on another backend is refused."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
         import tensorflow as tf

@@ -393,8 +393,8 @@ def fit(run, model, start, fitting):
             if step == start.step and isinstance(batches, tf.data.Dataset):
                 # What fit makes before its first step (the compiled metrics, the loss) made from the batches'
                 # shapes, as Keras does under a strategy and on JAX. TensorFlow without a strategy makes them as it
-                # traces the first step, so that tf.function traces it twice (about 7 s of the digits' 14 s);
-                # and a resumed epoch's metrics go back before that step (Backup).
+                # traces the first step, so that tf.function traces it twice; and a resumed epoch's metrics go back
+                # before that step (Backup).
                 with run.scope():
                     keras_vit.compat.build_for_fit(model, batches.element_spec)
             callback_list.goes_on_after = epoch if into else None
