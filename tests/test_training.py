@@ -34,6 +34,49 @@ def test_global_clipnorm_clips_the_summed_gradient_across_replicas(two_replicas)
     assert not np.allclose(results["keras"], [-0.6, -0.8], atol=1e-3)
 
 
+def decayed_by(strategy, optimizer_class):
+    """Four variables after three steps of `optimizer_class` (AdamW, weight decay 0.1, the warm-up and cosine
+    schedule) under `strategy`, and how many times the step's graph computes a cosine (the schedule)."""
+    import tensorflow as tf
+
+    with strategy.scope():
+        variables = [keras.Variable(np.linspace(-1.0, 1.0, 3, dtype="float32") * (i + 1)) for i in range(4)]
+        optimizer = optimizer_class(training.learning_rate_schedule(1e-2, 100, 2), weight_decay=0.1)
+        optimizer.build(variables)
+
+    @tf.function
+    def step():
+        strategy.run(lambda: optimizer.apply([tf.fill((3,), 0.5)] * len(variables), variables))
+
+    for _ in range(3):
+        step()
+    graph = step.get_concrete_function().graph.as_graph_def()  # Its functions too (the schedule's conditions).
+    nodes = [*graph.node, *(node for function in graph.library.function for node in function.node_def)]
+    cosines = sum(node.op == "Cos" for node in nodes)
+    return [v.numpy() for v in variables], cosines
+
+
+def check_weight_decay_is_keras_with_one_schedule(strategy):
+    ours, our_cosines = decayed_by(strategy, training.AdamW)
+    theirs, their_cosines = decayed_by(strategy, keras.optimizers.AdamW)
+    for mine, reference in zip(ours, theirs):
+        np.testing.assert_array_equal(mine, reference)  # The same operations: bit for bit.
+    replicas = strategy.num_replicas_in_sync
+    # Per replica, the schedule once for the update and once for the decay; Keras' once more per variable.
+    assert our_cosines == 2 * replicas and their_cosines == (1 + len(ours)) * replicas, (our_cosines, their_cosines)
+
+
+def test_the_weight_decay_is_keras_with_the_schedule_computed_once():
+    import tensorflow as tf
+
+    check_weight_decay_is_keras_with_one_schedule(tf.distribute.get_strategy())
+
+
+@pytest.mark.environment("two_cpus")
+def test_the_weight_decay_is_keras_with_the_schedule_computed_once_on_each_of_two_replicas(two_replicas):
+    check_weight_decay_is_keras_with_one_schedule(two_replicas)
+
+
 def test_warmup_then_cosine_and_linear_decay():
     cosine = training.learning_rate_schedule(1e-3, total_steps=100, warmup_steps=10)
     linear = training.learning_rate_schedule(1e-3, total_steps=100, warmup_steps=10, decay="linear")

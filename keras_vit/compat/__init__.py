@@ -22,7 +22,9 @@ The entries, by what they adapt (one module each), what each relies on, and who 
     `_all_reduce_sum_gradients`, `_distributed_tf_update_step` and `_distribution_strategy`, and
     tf.__internal__.distribute.interim.maybe_merge_call; keras_vit.training.
   - `LearningRateScales`: the optimizer's `_get_variable_index`, `_trainable_variables`, `_use_weight_decay`
-    and `_apply_weight_decay`; keras_vit.training (layer-wise learning-rate decay).
+    and `_apply_weight_decay`; keras_vit.training (layer-wise learning-rate decay; without it, on TensorFlow,
+    the weight decay with the learning rate computed once, through `_distribution_strategy` and
+    maybe_merge_call, or Keras' own method where those changed).
   - `swap_moving_average(optimizer)`: the optimizer's `_trainable_variables` and
     `_model_variables_moving_average` (its `use_ema` averages); keras_vit.callbacks.EMAWeights.
 - The training step (`trainer`):

@@ -6,7 +6,7 @@ import logging
 
 import keras
 
-from keras_vit.compat.apis import CHECKS, function_problems, names_used, require, resolve
+from keras_vit.compat.apis import CHECKS, function_problems, lookup, names_used, require, resolve
 
 _OPTIMIZER_METHODS = {
     "_clip_gradients": ("self", "grads"),
@@ -34,10 +34,17 @@ def _optimizer_problems():
     used = names_used(getattr(optimizer, "_backend_apply_gradients", None))
     missing = ", ".join(sorted({"_clip_gradients", "_backend_update_step"} - used))
     problems += [f"keras.optimizers.Optimizer._backend_apply_gradients no longer calls {missing}"] if missing else []
-    if not any("_distribution_strategy" in names_used(cls.__dict__.get("__init__")) for cls in optimizer.__mro__):
+    return problems + _merge_call_problems()
+
+
+def _merge_call_problems():
+    """What updating every replica's variables from the replica context relies on: the optimizer's
+    `_distribution_strategy` and TensorFlow's `maybe_merge_call`."""
+    problems = []
+    if not any("_distribution_strategy" in names_used(cls.__dict__.get("__init__"))
+               for cls in keras.optimizers.Optimizer.__mro__):  # fmt: skip
         problems.append("keras.optimizers.Optimizer no longer sets `_distribution_strategy` in __init__")
-    problems += function_problems(*_MERGE_CALL, ("fn", "strategy"))
-    return problems
+    return problems + function_problems(*_MERGE_CALL, ("fn", "strategy"))
 
 
 def _multi_replica_strategy():
@@ -115,7 +122,7 @@ _EMA_ATTRIBUTES = {"_trainable_variables", "_model_variables_moving_average"}
 class LearningRateScales:
     """Mixin for Keras optimizers: each variable's learning rate, and its decoupled weight decay (as in PyTorch's
     parameter groups), multiplied by its factor in `learning_rate_scales` ({variable.path: factor}; 1 for a
-    variable not named).  Without scales, the optimizer is Keras' own.
+    variable not named).  Without scales, the updates are Keras' own.
 
     Written for Keras 3.15 with TensorFlow 2.21.  `update_step(gradient, variable, learning_rate)` is the
     method to override, but it receives the variable (under a `tf.distribute` strategy, one replica's copy),
@@ -123,6 +130,13 @@ class LearningRateScales:
     and the weight decay, applied here at the scaled rate instead of in `_apply_weight_decay` at one rate for
     all, through the private `_use_weight_decay`.  No public hook takes a per-variable rate.  Made with
     scales, it raises PrivateApiError when those APIs changed.
+
+    Without scales, on TensorFlow, the weight decay is Keras' (the same assignments, in the same order) with the
+    learning rate computed once per step: Keras' TensorFlow `_apply_weight_decay` evaluates the learning-rate
+    schedule again for every variable, so that the training step's graph holds one copy of the schedule per
+    variable to trace and compile.  It runs through the private `_distribution_strategy`, `_use_weight_decay`
+    and tf.__internal__.distribute.interim.maybe_merge_call, as Keras' does; where those changed, Keras' own
+    method runs instead (the same values, traced per variable).
     """
 
     def __init__(self, *args, learning_rate_scales=None, **kwargs):
@@ -145,8 +159,27 @@ class LearningRateScales:
             logging.getLogger("keras_vit").warning(message, len(unknown), unknown[:3])
 
     def _apply_weight_decay(self, variables):
-        if not self._scale_items:  # Otherwise in update_step, at each variable's own rate.
+        if self._scale_items:
+            return  # In update_step, at each variable's own rate.
+        if self.weight_decay is None or keras.backend.backend() != "tensorflow" or _decay_problems():
             super()._apply_weight_decay(variables)
+            return
+        merge_call = lookup(*_MERGE_CALL)[0]
+        merge_call(self._distributed_weight_decay, self._distribution_strategy, variables, self.learning_rate)
+
+    def _distributed_weight_decay(self, distribution, variables, learning_rate):
+        """Keras' weight decay for TensorFlow (in the cross-replica context, each variable updated on every
+        replica), at `learning_rate`."""
+        import tensorflow as tf
+
+        def decay(variable, learning_rate):
+            if self._use_weight_decay(variable):
+                rate, decay = tf.cast(learning_rate, variable.dtype), tf.cast(self.weight_decay, variable.dtype)
+                variable.assign_sub(variable * decay * rate)
+
+        for variable in variables:
+            variable = variable.value if isinstance(variable, keras.Variable) else variable
+            distribution.extended.update(variable, decay, args=(learning_rate,), group=False)
 
     def update_step(self, gradient, variable, learning_rate):
         if self._scale_items:
@@ -159,6 +192,11 @@ class LearningRateScales:
 
     def get_config(self):
         return {**super().get_config(), "learning_rate_scales": self.learning_rate_scales}
+
+
+def _decay_problems():
+    """What the weight decay with one learning rate relies on that is missing (TensorFlow backend)."""
+    return _base_optimizer_problems({"_use_weight_decay": ("self", "variable")}, set()) + _merge_call_problems()
 
 
 def swap_moving_average(optimizer):
