@@ -2,11 +2,14 @@
 When a run writes one is `keras_vit.callbacks.Backup`'s choice (a `fit` callback).
 
 A backup is a pair of files in its folder (local or gs://), numbered in the order they were written:
-`state-NNNNNNNN.weights.h5` (the model's and the optimizer's variables, as `model.save_weights` writes them)
-and `state-NNNNNNNN.json` (the epoch and the step, counted in batches, to resume from, the random generators'
+`state-NNNNNNNN.npz` (the values of the model's weights and of the optimizer's variables, in their order, with
+their paths: NumPy's uncompressed archive, written in one pass, where Keras' `save_weights` walks the model's
+layers into HDF5 groups at several times the cost, which a run of short epochs pays at every epoch) and
+`state-NNNNNNNN.json` (the epoch and the step, counted in batches, to resume from, the random generators'
 states, where the input pipelines were, and, for a backup written mid-epoch, the epoch's metrics so far;
 written after the weights: a backup without its JSON is incomplete and is never used). Both are written through
-`keras_vit.files`, so a failed write leaves no partial file, and the last two backups are kept.
+`keras_vit.files`, so a failed write leaves no partial file, and the last two backups are kept.  A backup whose
+JSON names a `.weights.h5` file (`model.save_weights`'s, as earlier versions wrote them) restores too.
 
 `restore_state(model, folder)` loads the newest usable backup before `fit` and returns where the run resumes
 (`Resumed`): weights and position come from the same backup or not at all. A damaged newest backup (a truncated
@@ -16,7 +19,7 @@ files written in place, the epoch restored through the model's private state), a
 damaged file never blocks the next restart.
 """
 
-import contextlib
+import io
 import json
 import logging
 import re
@@ -54,7 +57,70 @@ def _states(folder):
 
 def _paths(folder, serial):
     stem = f"{folder}/state-{serial:08d}"
-    return f"{stem}.weights.h5", f"{stem}.json"
+    return f"{stem}.npz", f"{stem}.json"
+
+
+def _saved_variables(model):
+    """What a backup holds the values of, in order: the model's weights, then its optimizer's variables (the
+    moving average and the gradient accumulators among them)."""
+    optimizer = model.optimizer
+    return [*model.weights, *(optimizer.variables if optimizer is not None else ())]
+
+
+def _write_variables(model, path):
+    """The values of `_saved_variables(model)` into the NumPy archive `path` (a local file): "0", "1", ... in
+    order, and "paths", their paths.  A dtype that is not NumPy's own (bfloat16) is kept as its bits."""
+    variables = _saved_variables(model)
+    values = {}
+    for i, variable in enumerate(variables):
+        value = keras.ops.convert_to_numpy(variable)
+        values[str(i)] = value if value.dtype.isbuiltin == 1 else value.view(f"u{value.dtype.itemsize}")
+    with open(path, "wb") as f:
+        np.savez(f, paths=np.array([v.path for v in variables], dtype=str), **values)
+
+
+def _read_variables(model, path):
+    """Assigns the values of the NumPy archive `path` (local or gs://) to `_saved_variables(model)`, after
+    checking that they are as many and each of the variable's shape: ValueError naming the first that is not."""
+    with _gfile().GFile(path, "rb") as f:
+        archive = np.load(io.BytesIO(f.read()), allow_pickle=False)
+    variables, paths = _saved_variables(model), list(archive["paths"])
+    if len(paths) != len(variables):
+        raise ValueError(
+            f"it holds {len(paths)} variables; the model and its optimizer have {len(variables)}: it is not this "
+            "run's (another model or optimizer)"
+        )
+    values = []
+    for i, (variable, saved_path) in enumerate(zip(variables, paths)):
+        value, dtype = archive[str(i)], _numpy_dtype(variable.dtype)
+        if value.dtype != dtype and not (dtype.isbuiltin != 1 and value.dtype.itemsize == dtype.itemsize):
+            raise ValueError(f"its {saved_path} is {value.dtype}; the model's {variable.path} is {dtype}")
+        if tuple(value.shape) != tuple(variable.shape):
+            raise ValueError(
+                f"its {saved_path} has the shape {tuple(value.shape)}; the model's {variable.path} has "
+                f"{tuple(variable.shape)}: it is not this run's"
+            )
+        values.append(value.view(dtype))
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+def _numpy_dtype(dtype):
+    """NumPy's dtype for a variable's dtype; bfloat16's is ml_dtypes' (which Keras imports, so NumPy knows the
+    name)."""
+    return np.dtype(keras.backend.standardize_dtype(dtype))
+
+
+def _load_keras_weights(model, path):
+    """A `.weights.h5` backup (`model.save_weights`'s) into `model`. Keras only warns when a saved layer or
+    optimizer does not fit the model's: here, that backup is not this run's (weights restored without their
+    optimizer state would resume another run)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.load_weights(path)
+    skipped = [str(w.message) for w in caught if "Skipping variable loading" in str(w.message)]
+    if skipped:
+        raise ValueError(skipped[0])
 
 
 def write_state(model, folder, record, keep=2):
@@ -67,15 +133,16 @@ def write_state(model, folder, record, keep=2):
     states = _states(folder)
     serial = states[0] + 1 if states else 0
     weights, metadata = _paths(folder, serial)
-    with atomic_path(weights, suffix=".weights.h5") as temporary, _outside_distribution():
-        model.save_weights(temporary)
+    with atomic_path(weights, suffix=".npz") as temporary:
+        _write_variables(model, temporary)
     record = {
         **record, "weights": weights.rsplit("/", 1)[1],
         "random_states": [keras.ops.convert_to_numpy(v).tolist() for v in _random_states(model)],
     }
     write_text_atomically(metadata, json.dumps(record))
     for old in [serial, *states][keep:]:
-        for path in _paths(folder, old):
+        stem = _paths(folder, old)[1][: -len(".json")]
+        for path in (f"{stem}.json", f"{stem}.npz", f"{stem}.weights.h5"):
             if gfile.exists(path):
                 gfile.remove(path)
     return metadata
@@ -86,23 +153,6 @@ def remove_backups(folder):
     gfile = _gfile()
     if gfile.isdir(folder):
         gfile.rmtree(folder)
-
-
-@contextlib.contextmanager
-def _outside_distribution():
-    """Keras' JAX backend: the block runs with no `keras.distribution` set.  Saving makes throwaway Keras
-    objects (saving_lib's reference optimizer, once per process); under a distribution across processes their
-    variables are placed with a collective that only the processes saving for the first time would enter, and
-    the job would hang.  The model's own variables are not made again; they keep their placement."""
-    if keras.backend.backend() != "jax" or keras.distribution.distribution() is None:
-        yield
-        return
-    distribution = keras.distribution.distribution()
-    keras.distribution.set_distribution(None)
-    try:
-        yield
-    finally:
-        keras.distribution.set_distribution(distribution)
 
 
 def _random_states(model):
@@ -160,14 +210,11 @@ def restore_state(model, folder):
                 raise ValueError(f"'epoch' is {epoch!r}; expected an integer >= 0")
             if step is not None and (not isinstance(step, int) or step < 0):
                 raise ValueError(f"'step' is {step!r}; expected an integer >= 0")
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                model.load_weights(weights)
-            # Keras only warns when a saved layer or optimizer does not fit the model's: here, that backup is
-            # not this run's (weights restored without their optimizer state would resume another run).
-            skipped = [str(w.message) for w in caught if "Skipping variable loading" in str(w.message)]
-            if skipped:
-                raise ValueError(skipped[0])
+            if str(position.get("weights", "")).endswith(".weights.h5"):
+                weights = f"{folder}/{position['weights']}"
+                _load_keras_weights(model, weights)
+            else:
+                _read_variables(model, weights)
             states, saved = _random_states(model), position.get("random_states")
             if saved is not None and len(saved) != len(states):
                 raise ValueError(f"it holds {len(saved)} random generators' states; the model has {len(states)}")

@@ -1,5 +1,6 @@
 """A run's backups: saved whole, the last two kept, restored whole, a damaged one named and passed over."""
 
+import json
 import logging
 
 import keras
@@ -47,7 +48,7 @@ def names(folder):
 
 def test_the_last_two_backups_are_kept_and_the_newest_restores_weights_optimizer_and_epoch(interrupted):
     folder, weights, step = interrupted
-    assert names(folder) == [f"state-0000000{i}.{kind}" for i in (1, 2) for kind in ("json", "weights.h5")]
+    assert names(folder) == [f"state-0000000{i}.{kind}" for i in (1, 2) for kind in ("json", "npz")]
     model = make_model()
     assert backups.restore_backup(model, str(folder)) == 3
     assert int(model.optimizer.iterations.numpy()) == step == 12
@@ -62,7 +63,7 @@ def test_the_last_two_backups_are_kept_and_the_newest_restores_weights_optimizer
 
 def test_a_damaged_or_incomplete_newest_backup_is_named_and_the_previous_one_used(interrupted, caplog):
     folder, _, _ = interrupted
-    newest = folder / "state-00000002.weights.h5"
+    newest = folder / "state-00000002.npz"
     newest.write_bytes(newest.read_bytes()[:100])  # truncated
     model = make_model()
     with caplog.at_level(logging.WARNING, logger="keras_vit"):
@@ -76,7 +77,7 @@ def test_a_damaged_or_incomplete_newest_backup_is_named_and_the_previous_one_use
         backups.restore_backup(make_model(), str(folder))
 
 
-def test_no_backup_means_epoch_zero_and_a_failed_save_keeps_the_previous_backups(interrupted, tmp_path):
+def test_no_backup_means_epoch_zero_and_a_failed_save_keeps_the_previous_backups(interrupted, tmp_path, monkeypatch):
     assert backups.restore_backup(make_model(), str(tmp_path / "none")) == 0
     folder, _, _ = interrupted
     before = {name: (folder / name).read_bytes() for name in names(folder)}
@@ -86,7 +87,7 @@ def test_no_backup_means_epoch_zero_and_a_failed_save_keeps_the_previous_backups
     def fail(*args, **kwargs):
         raise OSError("No space left on device")
 
-    model.save_weights = fail
+    monkeypatch.setattr(backups.np, "savez", fail)
     backup = callbacks.Backup(str(folder))
     backup.set_model(model)
     with pytest.raises(OSError, match="No space left"):
@@ -94,10 +95,48 @@ def test_no_backup_means_epoch_zero_and_a_failed_save_keeps_the_previous_backups
     assert {name: (folder / name).read_bytes() for name in names(folder)} == before
 
 
-def test_a_backup_of_another_optimizer_is_not_restored_without_its_state(interrupted):
-    """Keras only warns when a saved optimizer does not fit: the weights alone would resume another run."""
+def test_a_backup_of_another_optimizer_or_model_is_not_restored(interrupted):
+    """The weights alone would resume another run: nothing is assigned unless every variable fits."""
     folder, _, _ = interrupted
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
     model.compile(keras.optimizers.SGD(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    with pytest.raises(backups.BackupError, match=r"state-00000002.json .*Skipping variable loading for optimizer"):
+    with pytest.raises(backups.BackupError, match=r"state-00000002.json .*it holds 14 variables; the model and its "
+                                                  r"optimizer have 6: it is not this run's"):  # fmt: skip
         backups.restore_backup(model, str(folder))
+    wider = keras.Sequential([keras.Input((4,)), keras.layers.Dense(9, activation="relu"), keras.layers.Dense(3)])
+    wider.compile(keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = [w.numpy() for w in wider.weights]
+    with pytest.raises(backups.BackupError, match=r"its [\w/]+/kernel has the shape \(4, 8\); the model's "
+                                                  r"[\w/]+/kernel has \(4, 9\)"):  # fmt: skip
+        backups.restore_backup(wider, str(folder))
+    for weight, value in zip(wider.weights, before):
+        np.testing.assert_array_equal(weight.numpy(), value)
+
+
+def test_a_backup_written_by_keras_save_weights_restores(interrupted):
+    """A run interrupted under an earlier version, whose backups were `model.save_weights`' files, resumes."""
+    folder, weights, step = interrupted
+    model = make_model()
+    backups.restore_backup(model, str(folder))
+    record = json.loads((folder / "state-00000002.json").read_text())
+    model.save_weights(folder / "state-00000003.weights.h5")
+    (folder / "state-00000003.json").write_text(json.dumps({**record, "weights": "state-00000003.weights.h5"}))
+    resumed = make_model()
+    assert backups.restore_backup(resumed, str(folder)) == 3
+    assert int(resumed.optimizer.iterations.numpy()) == step
+    for restored, expected in zip(resumed.weights, weights):
+        np.testing.assert_array_equal(restored.numpy(), expected)
+
+
+def test_bfloat16_variables_are_saved_and_restored_bit_for_bit(tmp_path):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, dtype="bfloat16")])
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    model.optimizer.build(model.trainable_variables)
+    model.layers[0].kernel.assign(np.random.default_rng(0).normal(size=(4, 3)))
+    backups.write_state(model, str(tmp_path), {"epoch": 1, "step": 4})
+    fresh = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, dtype="bfloat16")])
+    fresh.compile(keras.optimizers.Adam(1e-2), "mse")
+    assert backups.restore_state(fresh, str(tmp_path)).step == 4
+    assert keras.backend.standardize_dtype(fresh.layers[0].kernel.dtype) == "bfloat16"
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(fresh.layers[0].kernel).view("u2"),
+                                  keras.ops.convert_to_numpy(model.layers[0].kernel).view("u2"))  # fmt: skip
