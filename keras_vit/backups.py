@@ -19,12 +19,12 @@ files written in place, the epoch restored through the model's private state), a
 damaged file never blocks the next restart.
 """
 
-import io
 import json
 import logging
 import re
 import typing
 import warnings
+import zipfile
 
 import keras
 import numpy as np
@@ -68,39 +68,44 @@ def _saved_variables(model):
 
 
 def _write_variables(model, path):
-    """The values of `_saved_variables(model)` into the NumPy archive `path` (a local file): "0", "1", ... in
-    order, and "paths", their paths.  A dtype that is not NumPy's own (bfloat16) is kept as its bits."""
+    """The values of `_saved_variables(model)` into the NumPy archive `path` (a local file, as `np.savez`
+    writes one): "0", "1", ... in order, and "paths", their paths; one variable in memory at a time. A dtype
+    that is not NumPy's own (bfloat16) is kept as its bits."""
     variables = _saved_variables(model)
-    values = {}
-    for i, variable in enumerate(variables):
-        value = keras.ops.convert_to_numpy(variable)
-        values[str(i)] = value if value.dtype.isbuiltin == 1 else value.view(f"u{value.dtype.itemsize}")
-    with open(path, "wb") as f:
-        np.savez(f, paths=np.array([v.path for v in variables], dtype=str), **values)
+
+    def write(name, value):
+        if value.dtype.isbuiltin == 2:  # Not one of NumPy's own (ml_dtypes' bfloat16).
+            value = value.view(f"u{value.dtype.itemsize}")
+        with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+            np.lib.format.write_array(member, value, allow_pickle=False)
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        write("paths", np.array([variable.path for variable in variables], dtype=str))
+        for i, variable in enumerate(variables):
+            write(str(i), keras.ops.convert_to_numpy(variable))
 
 
 def _read_variables(model, path):
     """Assigns the values of the NumPy archive `path` (local or gs://) to `_saved_variables(model)`, after
     checking that they are as many and each of the variable's shape: ValueError naming the first that is not."""
-    with _gfile().GFile(path, "rb") as f:
-        archive = np.load(io.BytesIO(f.read()), allow_pickle=False)
-    variables, paths = _saved_variables(model), list(archive["paths"])
-    if len(paths) != len(variables):
-        raise ValueError(
-            f"it holds {len(paths)} variables; the model and its optimizer have {len(variables)}: it is not this "
-            "run's (another model or optimizer)"
-        )
-    values = []
-    for i, (variable, saved_path) in enumerate(zip(variables, paths)):
-        value, dtype = archive[str(i)], _numpy_dtype(variable.dtype)
-        if value.dtype != dtype and not (dtype.isbuiltin != 1 and value.dtype.itemsize == dtype.itemsize):
-            raise ValueError(f"its {saved_path} is {value.dtype}; the model's {variable.path} is {dtype}")
-        if tuple(value.shape) != tuple(variable.shape):
+    variables, values = _saved_variables(model), []
+    with _gfile().GFile(path, "rb") as f, np.load(f, allow_pickle=False) as archive:
+        paths = list(archive["paths"])
+        if len(paths) != len(variables):
             raise ValueError(
-                f"its {saved_path} has the shape {tuple(value.shape)}; the model's {variable.path} has "
-                f"{tuple(variable.shape)}: it is not this run's"
+                f"it holds {len(paths)} variables; the model and its optimizer have {len(variables)}: it is not "
+                "this run's (another model or optimizer)"
             )
-        values.append(value.view(dtype))
+        for i, (variable, saved_path) in enumerate(zip(variables, paths)):
+            value, dtype = archive[str(i)], _numpy_dtype(variable.dtype)
+            if value.dtype != dtype and not (dtype.isbuiltin == 2 and value.dtype.itemsize == dtype.itemsize):
+                raise ValueError(f"its {saved_path} is {value.dtype}; the model's {variable.path} is {dtype}")
+            if tuple(value.shape) != tuple(variable.shape):
+                raise ValueError(
+                    f"its {saved_path} has the shape {tuple(value.shape)}; the model's {variable.path} has "
+                    f"{tuple(variable.shape)}: it is not this run's"
+                )
+            values.append(value.view(dtype))
     for variable, value in zip(variables, values):
         variable.assign(value)
 

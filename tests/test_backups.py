@@ -84,10 +84,15 @@ def test_no_backup_means_epoch_zero_and_a_failed_save_keeps_the_previous_backups
     model = make_model()
     backups.restore_backup(model, str(folder))
 
-    def fail(*args, **kwargs):
+    write = backups._write_variables
+
+    def fail(model, path):  # Part of the archive written, then the disk is full.
+        write(model, path)
+        with open(path, "r+b") as f:
+            f.truncate(100)
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(backups.np, "savez", fail)
+    monkeypatch.setattr(backups, "_write_variables", fail)
     backup = callbacks.Backup(str(folder))
     backup.set_model(model)
     with pytest.raises(OSError, match="No space left"):
