@@ -174,8 +174,8 @@ class LearningRateScales:
 
         def decay(variable, learning_rate):
             if self._use_weight_decay(variable):
-                rate, decay = tf.cast(learning_rate, variable.dtype), tf.cast(self.weight_decay, variable.dtype)
-                variable.assign_sub(variable * decay * rate)
+                rate, factor = tf.cast(learning_rate, variable.dtype), tf.cast(self.weight_decay, variable.dtype)
+                variable.assign_sub(variable * factor * rate)
 
         for variable in variables:
             variable = variable.value if isinstance(variable, keras.Variable) else variable
