@@ -55,9 +55,13 @@ def _states(folder):
     return sorted(serials, reverse=True)
 
 
+def _stem(folder, serial):
+    """A backup's files, less their endings."""
+    return f"{folder}/state-{serial:08d}"
+
+
 def _paths(folder, serial):
-    stem = f"{folder}/state-{serial:08d}"
-    return f"{stem}.npz", f"{stem}.json"
+    return f"{_stem(folder, serial)}.npz", f"{_stem(folder, serial)}.json"
 
 
 def _saved_variables(model):
@@ -146,7 +150,7 @@ def write_state(model, folder, record, keep=2):
     }
     write_text_atomically(metadata, json.dumps(record))
     for old in [serial, *states][keep:]:
-        stem = _paths(folder, old)[1][: -len(".json")]
+        stem = _stem(folder, old)
         for path in (f"{stem}.json", f"{stem}.npz", f"{stem}.weights.h5"):
             if gfile.exists(path):
                 gfile.remove(path)
@@ -161,9 +165,9 @@ def remove_backups(folder):
 
 
 def _random_states(model):
-    """The model's random generators' states (dropout, stochastic depth), in the model's order: `save_weights`
-    leaves them out, and a resumed run draws what the uninterrupted run would have drawn only with them restored.
-    (Their names carry a counter of the process, so they are matched by order.)"""
+    """The model's random generators' states (dropout, stochastic depth), in the model's order: `model.weights`
+    (what the archive holds) leaves them out, and a resumed run draws what the uninterrupted run would have
+    drawn only with them restored. (Their names carry a counter of the process, so they are matched by order.)"""
     return [v for v in model.non_trainable_variables if v.path.endswith("seed_generator_state")]
 
 
@@ -215,11 +219,9 @@ def restore_state(model, folder):
                 raise ValueError(f"'epoch' is {epoch!r}; expected an integer >= 0")
             if step is not None and (not isinstance(step, int) or step < 0):
                 raise ValueError(f"'step' is {step!r}; expected an integer >= 0")
-            if str(position.get("weights", "")).endswith(".weights.h5"):
+            if position.get("weights"):  # The file it completes: an archive, or an earlier version's .weights.h5.
                 weights = f"{folder}/{position['weights']}"
-                _load_keras_weights(model, weights)
-            else:
-                _read_variables(model, weights)
+            (_load_keras_weights if weights.endswith(".weights.h5") else _read_variables)(model, weights)
             states, saved = _random_states(model), position.get("random_states")
             if saved is not None and len(saved) != len(states):
                 raise ValueError(f"it holds {len(saved)} random generators' states; the model has {len(states)}")
