@@ -50,6 +50,24 @@ def test_a_stream_started_at_a_step_gives_the_batches_the_whole_stream_gives_the
         vit_data.training_stream(split, 21)
 
 
+def test_the_in_memory_pipelines_run_without_the_autotuner_and_split_by_example():
+    """The training stream and the evaluation batches of an in-memory split start no tf.data autotuning thread
+    (keras_vit/data/pipeline.py's _from_memory says why: deleting a long-lived iterator could wait for that
+    thread's sleep), and remain split by example across workers; their batches are as deterministic as before
+    (the stream's test above)."""
+    split = small_split()
+    made = {
+        "training stream": vit_data.training_stream(split, 8, num_classes=4, max_shift=1),
+        "training batches": vit_data.make_pipeline(split, 8, training=True, max_shift=1),
+        "evaluation batches": vit_data.make_pipeline(split, 8, training=False, num_classes=4),
+    }
+    for name, ds in made.items():
+        options = ds.options()
+        assert options.autotune.enabled is False, name
+        assert options.experimental_distribute.auto_shard_policy == tf.data.experimental.AutoShardPolicy.DATA, name
+        assert len(batches(ds, 2)) == 2, name
+
+
 @pytest.mark.parametrize("kind", ["folder", "cached folder", "tfds"])
 def test_an_image_pipeline_started_where_it_was_gives_the_batches_the_whole_one_gives_there(tmp_path, kind):
     """The training pipeline of an image folder (read as listed, or its bytes kept) or a TFDS set, with bad

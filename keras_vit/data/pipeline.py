@@ -49,7 +49,7 @@ def make_pipeline(split, batch_size, *, training, num_classes=None, seed=0, max_
     ds = tf.data.Dataset.from_tensor_slices((split.images, split.labels))
     # In memory, on every worker already: sharded by example across workers
     # (the FILE policy needs files, and there is no decoding to save).
-    ds = ds.with_options(_by_example())
+    ds = ds.with_options(_from_memory())
     if training:
         ds = ds.shuffle(len(split), seed=seed, reshuffle_each_iteration=True)
         if max_shift:
@@ -93,7 +93,7 @@ def training_stream(split, batch_size, *, num_classes=None, seed=0, max_shift=0,
         return image, tf.one_hot(label, num_classes) if num_classes else label
 
     positions = tf.data.Dataset.range(start_step * batch_size, tf.int64.max)
-    ds = positions.map(example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).with_options(_by_example())
+    ds = positions.map(example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).with_options(_from_memory())
     return ds.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
 
@@ -102,6 +102,19 @@ def _by_example():
     DATA): each worker already holds the whole of it."""
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return options
+
+
+def _from_memory():
+    """tf.data options for batches gathered from memory: split by example (`_by_example`), and without
+    tf.data's autotuner. There is nothing to tune there that matters (no decoding, a map or two), and its thread
+    can hold up the deletion of an iterator, at the end of a long `fit`, for up to a minute: TensorFlow's
+    OptimizeLoop sleeps between optimizations (its period doubles up to 60 s), the iterator's cancellation wakes
+    it before the cancellation is marked done, and a loop that checks in that moment sleeps out its period while
+    the deleting thread waits for it. Without the autotuner, AUTOTUNE parallelism is the CPU's cores and
+    prefetching sizes its own buffer."""
+    options = _by_example()
+    options.autotune.enabled = False
     return options
 
 
