@@ -36,9 +36,10 @@ SHARED_FIXTURES = {
 # Timeouts (pytest-timeout, the test's own call; a shared fixture's processes have their own): a test marked
 # slow gets SLOW_TIMEOUT unless it sets its own with @pytest.mark.timeout(seconds).  They catch a hang, not a
 # slow test (the budgets below do that). A test of under a second can wait here for 30 to 140 s, idle, about
-# once per run on 2 cores: Python's garbage collector frees, inside it, the tf.data iterator an earlier test's
-# fit or predict under a tf.distribute strategy left behind, and the iterator's destructor (a MultiDeviceIterator)
-# waits for its tf.data threads (py-spy's native stack of such a wait). So a fast test gets 180 s.
+# once per run on 2 cores: Python's garbage collector frees, inside it, a tf.data iterator an earlier test left
+# behind, and the iterator's destructor waits for tf.data's autotuning thread, which can miss the cancellation's
+# wake-up and sleep out its period, up to 60 s (keras_vit/data/pipeline.py's _from_memory: the library's in-memory
+# pipelines run without it; the tests' own datasets and Keras' for arrays still have it). So a fast test gets 180 s.
 FAST_TIMEOUT, SLOW_TIMEOUT = 180, 300
 # On the CI machine (CI=true), the fast tier (`-m "not slow"`) fails when it takes more than FAST_TIER_SECONDS
 # or a test more than FAST_TEST_SECONDS in a phase (the setup that starts a shared fixture: its budget above;
