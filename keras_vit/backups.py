@@ -61,7 +61,8 @@ def _stem(folder, serial):
 
 
 def _paths(folder, serial):
-    return f"{_stem(folder, serial)}.npz", f"{_stem(folder, serial)}.json"
+    stem = _stem(folder, serial)
+    return f"{stem}.npz", f"{stem}.json"
 
 
 def _saved_variables(model):
@@ -150,8 +151,9 @@ def write_state(model, folder, record, keep=2):
     }
     write_text_atomically(metadata, json.dumps(record))
     for old in [serial, *states][keep:]:
-        stem = _stem(folder, old)
-        for path in (f"{stem}.json", f"{stem}.npz", f"{stem}.weights.h5"):
+        archive, record_path = _paths(folder, old)
+        # The JSON first (without it the rest is never used), and an earlier version's weights file if any.
+        for path in (record_path, archive, f"{_stem(folder, old)}.weights.h5"):
             if gfile.exists(path):
                 gfile.remove(path)
     return metadata
