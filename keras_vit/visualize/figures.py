@@ -202,8 +202,11 @@ def plot_patch_grid(image, sequence, path, *, columns=None):
     if not isinstance(columns, int) or columns < 1:
         raise ValueError(f"`columns` must be a positive integer. Received: columns={columns!r}")
     seq_rows = math.ceil(count / columns)
-    # The sequence in units of one patch width: each slot is a patch under a label band.
-    aspect, gap, band = ph / pw, 0.2, 0.5
+    # The sequence in units of one patch width: each slot is a patch under a label band.  It is drawn as one
+    # image (one resampling, where a patch per `imshow` costs one each), `scale` pixels to a patch's pixel.
+    scale = max(1, math.ceil(24 / pw))
+    unit, gap_px, band_px = pw * scale, max(1, round(0.2 * pw * scale)), round(0.5 * pw * scale)
+    aspect, gap, band = ph / pw, gap_px / unit, band_px / unit
     slot_w, slot_h = 1 + gap, aspect + band + gap
     fig_w = min(max(columns * 0.6, 4.0), 10.0)
     image_w = min(fig_w * 0.6, 4.0 * width / height)
@@ -228,13 +231,13 @@ def plot_patch_grid(image, sequence, path, *, columns=None):
     grid_ax.set_title(f"{gh}x{gw} patches of {ph}x{pw} pixels", fontsize=10)
     grid_ax.axis("off")
 
-    cmap = "gray" if shown.ndim == 2 else None
     label_size = _fitting_fontsize(fig_w / columns, band * fig_w / (columns * slot_w), digits)
     # Patches are cut from the displayed image, so they share its scaling; None is the class token.
     crops = [shown[top:bottom, left:right] for top, left, bottom, right in sequence.boxes]
     slots = list(zip(sequence.positions, crops))
     if sequence.class_token:
         slots.insert(0, (0, None))
+    canvas = np.zeros((seq_rows * (ph * scale + band_px + gap_px), columns * (unit + gap_px), 4), np.float32)
     for k, (position, crop) in enumerate(slots):
         left, top = (k % columns) * slot_w, (k // columns) * slot_h + band
         if crop is None:
@@ -246,10 +249,14 @@ def plot_patch_grid(image, sequence, path, *, columns=None):
                 fontsize=_fitting_fontsize(fig_w / columns, aspect * fig_w / (columns * slot_w), 7, 8.0),
             )
         else:
-            seq_ax.imshow(
-                crop, cmap=cmap, vmin=0, vmax=1, interpolation="nearest", extent=(left, left + 1, top + aspect, top)
-            )
+            x, y = (k % columns) * (unit + gap_px), (k // columns) * (ph * scale + band_px + gap_px) + band_px
+            pixels = np.repeat(np.repeat(crop, scale, axis=0), scale, axis=1)
+            canvas[y:y + ph * scale, x:x + unit, :3] = pixels[..., None] if pixels.ndim == 2 else pixels
+            canvas[y:y + ph * scale, x:x + unit, 3] = 1.0
         seq_ax.text(left + 0.5, top - 0.05, str(position), ha="center", va="bottom", fontsize=label_size)
+    # Transparent between the patches; drawn under the class token's slot, which it leaves empty.
+    seq_ax.imshow(canvas, interpolation="nearest", extent=(0, canvas.shape[1] / unit, canvas.shape[0] / unit, 0),
+                  zorder=0)
     seq_ax.set_xlim(-gap / 2, columns * slot_w - gap / 2)
     seq_ax.set_ylim(seq_rows * slot_h, 0)
     seq_ax.set_aspect("equal")
