@@ -14,6 +14,7 @@ import keras
 
 import keras_vit
 from keras_vit import training
+from keras_vit.evaluation import MAX_MATRIX_CLASSES, ConfusionAccuracy
 from keras_vit.variants import ViTConfig, parse_variant
 
 
@@ -76,6 +77,19 @@ def whole_executions(steps_per_execution, steps_per_epoch):
     return max(n for n in range(1, min(steps_per_execution, steps_per_epoch) + 1) if steps_per_epoch % n == 0)
 
 
+# The most classes whose confusion matrix the training counts, in every step (num_classes^2 float32, summed
+# over the devices on Keras' JAX backend): 40 KB at 100, the classes eval/ draws a matrix for.
+MAX_COUNTED_CLASSES = MAX_MATRIX_CLASSES
+
+
+def accuracy_metric(num_classes):
+    """The job's "accuracy": a `ConfusionAccuracy`, whose counts give the epoch figures their validation matrix,
+    up to MAX_COUNTED_CLASSES classes; Keras' `CategoricalAccuracy` (the same values) above."""
+    if num_classes <= MAX_COUNTED_CLASSES:
+        return ConfusionAccuracy(num_classes, name="accuracy")
+    return keras.metrics.CategoricalAccuracy(name="accuracy")
+
+
 def compile_model(model, config, optimizer, *, steps_per_execution=1):
     """Compiles `model` for one-hot labels: cross-entropy on logits with config.label_smoothing, accuracy,
     XLA as config.jit_compile and config.precision ask (`keras_vit.training.resolve_jit_compile`); and sets
@@ -87,7 +101,7 @@ def compile_model(model, config, optimizer, *, steps_per_execution=1):
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=config.label_smoothing),
-        metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")],
+        metrics=[accuracy_metric(model.output_shape[-1])],
         jit_compile=training.resolve_jit_compile(config.jit_compile, config.precision),
         steps_per_execution=steps_per_execution,
     )

@@ -62,6 +62,58 @@ def confusion_matrix(labels, predictions, num_classes):
     return confusion
 
 
+
+@keras.saving.register_keras_serializable(package="keras_vit")
+class ConfusionAccuracy(keras.metrics.Metric):
+    """Top-1 accuracy (Keras' `CategoricalAccuracy` for one-hot or soft labels, `SparseCategoricalAccuracy` for
+    integer ones) kept as the confusion matrix of the examples since the last reset, weighted by
+    `sample_weight`: the accuracy is its trace over its sum.
+
+    After `fit`'s validation of an epoch, `confusion()` is that split's matrix (rows the true class, columns the
+    predicted one), so `keras_vit.callbacks.TensorBoardFigures` draws it without predicting the split again.
+    The counts are float32, exact up to 2**24 examples in a cell.
+
+    Args:
+        num_classes: the classes (the model's logits).
+        name: the metric's name in the logs.
+    """
+
+    def __init__(self, num_classes, name="accuracy", dtype=None):
+        super().__init__(name=name, dtype=dtype)
+        if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
+            raise ValueError(f"`num_classes` must be a positive integer. Received: num_classes={num_classes!r}")
+        self.num_classes = num_classes
+        self._direction = "up"  # What Keras' callbacks read in mode "auto": higher is better, as for accuracy.
+        self.counts = self.add_variable(shape=(num_classes, num_classes), initializer="zeros", dtype="float32",
+                                        name="counts")  # fmt: skip
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        ops = keras.ops
+        y_pred = ops.convert_to_tensor(y_pred)
+        y_true = ops.convert_to_tensor(y_true)
+        if len(y_true.shape) == len(y_pred.shape) and y_true.shape[-1] != 1:
+            y_true = ops.argmax(y_true, axis=-1)  # One-hot or soft (mixed) labels.
+        classes = self.num_classes
+        true = ops.reshape(ops.cast(y_true, "int32"), (-1,))
+        predicted = ops.cast(ops.argmax(ops.reshape(y_pred, (-1, classes)), axis=-1), "int32")
+        weights = ops.ones_like(true, "float32") if sample_weight is None else (
+            ops.reshape(ops.cast(sample_weight, "float32"), (-1,)))  # fmt: skip
+        # Each example adds its weight to its (true, predicted) cell: a scatter of the batch, no num_classes^2 work.
+        cells = ops.segment_sum(weights, true * classes + predicted, num_segments=classes * classes)
+        self.counts.assign_add(ops.reshape(cells, (classes, classes)))
+
+    def result(self):
+        total = keras.ops.sum(self.counts)
+        return keras.ops.divide_no_nan(keras.ops.trace(self.counts), total)
+
+    def confusion(self):
+        """The counted confusion matrix, int64 (num_classes, num_classes)."""
+        return np.rint(keras.ops.convert_to_numpy(self.counts)).astype(np.int64)
+
+    def get_config(self):
+        return {**super().get_config(), "num_classes": self.num_classes}
+
+
 def row_rates(confusion):
     """The confusion matrix with each row divided by its class's count (0 for a class with none): the recall on
     the diagonal."""

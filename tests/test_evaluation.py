@@ -202,6 +202,78 @@ def tensorboard_images(folder, decoded=None):
     return found
 
 
+@pytest.mark.parametrize("labels", ["integer", "one_hot"])
+def test_the_confusion_accuracy_is_keras_accuracy_kept_as_the_confusion_matrix(labels, tmp_path):
+    """Its result is Keras' accuracy for the same labels (weighted too); its counts are the confusion matrix;
+    a reset empties it; its config rebuilds it."""
+    logits, integer = fixed_predictions(n=90, classes=7)
+    weights = np.linspace(0.5, 2.0, 90).astype(np.float32)
+    given = integer if labels == "integer" else keras.utils.to_categorical(integer, 7)
+    keras_metric = keras.metrics.SparseCategoricalAccuracy() if labels == "integer" else (
+        keras.metrics.CategoricalAccuracy())  # fmt: skip
+    metric = evaluation.ConfusionAccuracy(7)
+    for start in (0, 30, 60):  # In batches, as a training step updates it.
+        metric.update_state(given[start:start + 30], logits[start:start + 30])
+    np.testing.assert_array_equal(metric.confusion(), evaluation.confusion_matrix(integer, logits.argmax(-1), 7))
+    assert float(metric.result()) == pytest.approx(_keras_metric_value(keras_metric, given, logits), abs=1e-7)
+    metric.reset_state()
+    assert metric.confusion().sum() == 0 and float(metric.result()) == 0.0
+    metric.update_state(given, logits, sample_weight=weights)
+    keras_metric.reset_state()
+    keras_metric.update_state(given, logits, sample_weight=weights)
+    assert float(metric.result()) == pytest.approx(float(keras_metric.result()), abs=1e-6)
+    # Keras' callbacks in mode "auto" find that a higher value is better, as for its accuracy.
+    model = keras.Sequential([keras.Input((7,)), keras.layers.Dense(7)])
+    model.compile(loss=keras.losses.CategoricalCrossentropy(from_logits=True), metrics=[metric])
+    checkpoint = keras.callbacks.ModelCheckpoint(tmp_path / "best.keras", monitor="val_accuracy", save_best_only=True)
+    one_hot = keras.utils.to_categorical(integer, 7)
+    model.fit(logits, one_hot, validation_data=(logits, one_hot), callbacks=[checkpoint], verbose=0)
+    assert checkpoint.monitor_op(0.9, 0.8)
+    reloaded = keras.saving.load_model(tmp_path / "best.keras")  # Compiled with it again.
+    assert reloaded.evaluate(logits, one_hot, verbose=0, return_dict=True)["accuracy"] == pytest.approx(
+        model.evaluate(logits, one_hot, verbose=0, return_dict=True)["accuracy"])  # fmt: skip
+    again = evaluation.ConfusionAccuracy.from_config(metric.get_config())
+    assert (again.num_classes, again.name) == (7, "accuracy")
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=rf"`num_classes` must be a positive integer. Received: "
+                                             rf"num_classes={bad!r}"):  # fmt: skip
+            evaluation.ConfusionAccuracy(bad)
+
+
+def _keras_metric_value(metric, labels, logits):
+    metric.update_state(labels, logits)
+    return float(metric.result())
+
+
+def test_the_epoch_figures_draw_the_matrix_that_validation_counted(tmp_path, monkeypatch):
+    """With a ConfusionAccuracy compiled (as the training job compiles its models), the epoch's matrix is the one
+    fit's validation counted, equal to the trained model's predictions, and the split is not predicted again; an
+    epoch without validation predicts it."""
+    import tensorflow as tf
+
+    model = randomize_weights(keras_vit.build_vit("testing", image_size=16, num_classes=10, patch_size=4,
+                                                  num_heads=2), scale=0.1)
+    model.compile(optimizer="adam", loss=keras.losses.CategoricalCrossentropy(from_logits=True),
+                  metrics=[evaluation.ConfusionAccuracy(10)])  # fmt: skip
+    images = random_images((96, 16, 16, 3)).astype(np.uint8)
+    labels = keras.utils.to_categorical(np.arange(96) % 10, 10)
+    validation = tf.data.Dataset.from_tensor_slices((images[:40], labels[:40])).batch(16)
+    figures = callbacks.TensorBoardFigures(tmp_path, validation, num_images=2)
+    predicted = []
+    monkeypatch.setattr(callbacks.reporting, "predict_with_labels",
+                        lambda *args: predicted.append(args) or evaluation.predict_with_labels(*args))  # fmt: skip
+    model.fit(images, labels, epochs=2, batch_size=32, validation_data=validation, callbacks=[figures], verbose=0)
+    assert predicted == []
+    decoded = {}
+    assert tensorboard_images(tmp_path / "validation", decoded) == {
+        "confusion_matrix": [(0, 1), (1, 1)], "attention_rollout": [(0, 2), (1, 2)]
+    }
+    expected = evaluation.confusion_matrix(np.arange(40) % 10, model.predict(images[:40], verbose=0).argmax(-1), 10)
+    np.testing.assert_array_equal(decoded["confusion_matrix", 1][0], evaluation.confusion_image(expected))
+    figures.on_epoch_end(1, {"accuracy": 0.5})  # No validation logs: the counts are the training's.
+    assert len(predicted) == 1
+
+
 def test_tensorboard_gets_the_confusion_matrix_and_rollouts_each_epoch(tmp_path):
     """Each epoch of a run of up to 10 epochs (the default `max_figures`), spread out in a longer one."""
     import tensorflow as tf

@@ -8,7 +8,13 @@ import keras
 import numpy as np
 
 from keras_vit.compat import swap_moving_average
-from keras_vit.evaluation import confusion_image, confusion_matrix, predict_with_labels, rollout_images
+from keras_vit.evaluation import (
+    ConfusionAccuracy,
+    confusion_image,
+    confusion_matrix,
+    predict_with_labels,
+    rollout_images,
+)
 from keras_vit.files import atomic_path, write_text_atomically
 from keras_vit.layers.common import check_positive_int
 
@@ -184,6 +190,10 @@ class TensorBoardFigures(keras.callbacks.Callback):
     are the true classes, in order, columns the predicted ones) and the attention rollout of a few fixed
     validation images as TensorBoard images (`confusion_matrix`, `attention_rollout`), beside Keras' own scalars.
 
+    When the model is compiled with a `keras_vit.evaluation.ConfusionAccuracy` metric, the matrix is the one it
+    counted during `fit`'s validation of that epoch (the whole split, nothing predicted again); otherwise the
+    callback predicts the first `max_examples` validation examples.
+
     Args:
         log_dir: the TensorBoard folder (local or gs://); the images go to its
             `validation` run, where Keras' TensorBoard callback writes the
@@ -192,9 +202,9 @@ class TensorBoardFigures(keras.callbacks.Callback):
             labels integer or one-hot.
         num_images: how many of the first validation images get a rollout
             (0: none).
-        max_examples: about this many validation examples (whole batches
-            of them, the first ones: the split is not shuffled) are predicted
-            for the matrix.
+        max_examples: without a `ConfusionAccuracy`, about this many
+            validation examples (whole batches of them, the first ones: the
+            split is not shuffled) are predicted for the matrix.
         max_figures: at most this many epochs of a run get the images,
             evenly spaced, the last epoch always (None: every epoch). The
             default, 10, is what TensorBoard shows of an image tag unless
@@ -231,6 +241,17 @@ class TensorBoardFigures(keras.callbacks.Callback):
         rollout_batches = self.examples.unbatch().take(self.num_images).batch(max(self.num_images, 1))
         self.rollout_inputs = next(iter(rollout_batches.map(lambda x, y: x).as_numpy_iterator()), np.zeros((0,)))
 
+    def _counted_confusion(self, logs):
+        """The matrix of this epoch's validation as the model's `ConfusionAccuracy` counted it during `fit`'s
+        validation, or None (no validation this epoch, or no such metric)."""
+        if not any(key.startswith("val_") for key in logs or {}):
+            return None
+        for metric in self.model.metrics:
+            for inner in getattr(metric, "metrics", None) or [metric]:  # Compiled metrics sit in a container.
+                if isinstance(inner, ConfusionAccuracy):
+                    return inner.confusion()
+        return None
+
     def on_epoch_end(self, epoch, logs=None):
         import tensorflow as tf
 
@@ -238,10 +259,12 @@ class TensorBoardFigures(keras.callbacks.Callback):
             return
         if self.writer is None:
             self._prepare()
-        # The function the job's evaluations run too: traced once for the run.
-        logits, labels = predict_with_labels(self.model, self.examples)
-        labels = labels.argmax(-1) if labels.ndim == 2 else labels.astype(np.int64)
-        confusion = confusion_matrix(labels, logits.argmax(axis=-1), logits.shape[-1])
+        confusion = self._counted_confusion(logs)
+        if confusion is None:
+            # The function the job's evaluations run too: traced once for the run.
+            logits, labels = predict_with_labels(self.model, self.examples)
+            labels = labels.argmax(-1) if labels.ndim == 2 else labels.astype(np.int64)
+            confusion = confusion_matrix(labels, logits.argmax(axis=-1), logits.shape[-1])
         with self.writer.as_default():
             tf.summary.image("confusion_matrix", confusion_image(confusion)[None], step=epoch)
             if len(self.rollout_inputs):
