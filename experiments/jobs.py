@@ -3,6 +3,7 @@ never on import, so that the jobs can be imported together, as libraries, withou
 `main` then runs with them.  The helpers the jobs build from (`models`, `datasets`, `evaluations`, `outputs`)
 take a config, never a flag."""
 
+import atexit
 import contextlib
 import os
 import sys
@@ -20,7 +21,7 @@ USER_ERROR_EXIT = 2
 
 class Stopped(Exception):
     """A job stopped before its end with its state saved (a signal): it prints the message and exits with
-    `exit_code`."""
+    `exit_code` at once (`exit_now`)."""
 
     def __init__(self, message, exit_code):
         super().__init__(message)
@@ -86,7 +87,7 @@ def run_job(main, define_flags):
             main(job_flags)
         except Stopped as stopped:
             sys.stderr.write(f"{stopped}\n")
-            sys.exit(stopped.exit_code)
+            exit_now(stopped.exit_code)
         except (ValueError, FileNotFoundError, app.UsageError) as error:
             if os.environ.get("KERAS_VIT_TRACEBACK"):
                 raise
@@ -97,6 +98,20 @@ def run_job(main, define_flags):
             sys.exit(130)
 
     app.run(absl_main, flags_parser=parse_flags)
+
+
+def exit_now(code):
+    """Ends the process with `code` once the exit handlers (`atexit`: JAX's distributed shutdown, absl's logs)
+    have run and the output is flushed, without the interpreter's teardown: what the stopped job still holds
+    is not deleted, and the deletion of an input iterator can wait up to a minute on tf.data's autotuning
+    thread, past a platform's grace period."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 def parse_flags(argv):

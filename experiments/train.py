@@ -121,6 +121,8 @@ class Run:
     steps_per_execution: int
     exports: list
     overwrite: bool = False  # Whether `make_workdir` deletes what the work directory holds first.
+    # Whether the process exits after a stop by a signal (the command): the grace period then holds until it does.
+    exits_after_stop: bool = False
 
     @property
     def strategy(self):
@@ -162,7 +164,8 @@ class Fitting:
     log: vit_callbacks.CSVLog
 
 
-def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrite=False, phases=None):
+def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrite=False, phases=None,
+                       exits_after_stop=False):
     """Runs the whole job; returns the metrics it writes to `workdir`.
 
     TensorFlow backend: `strategy` is a `tf.distribute.Strategy`, by default
@@ -173,7 +176,9 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrit
     A `workdir` that holds a finished run (its metrics.json) is refused
     (`FinishedRunError`) unless `overwrite`, which deletes it first; one that
     holds an interrupted run's backup resumes it.  `phases` (a `jobs.Phases`)
-    gets the seconds of each phase.
+    gets the seconds of each phase.  `exits_after_stop`: the caller exits
+    when the run is stopped by a signal (`jobs.Stopped`), as the command does;
+    the grace period then holds until the process exits.
 
     The stages, each a function of its own, in order: `prepare_run` (where it runs, every check, the data;
     nothing written), `make_workdir`, `build_model` (seeded, compiled, under the strategy's scope), `restore`
@@ -183,7 +188,7 @@ def train_and_evaluate(config, workdir, strategy=None, callbacks=(), *, overwrit
     """
     phases = jobs.Phases() if phases is None else phases
     with phases.timing("checks, data"):
-        run = prepare_run(config, workdir, strategy, overwrite=overwrite)
+        run = prepare_run(config, workdir, strategy, overwrite=overwrite, exits_after_stop=exits_after_stop)
     with phases.timing("model: built, compiled; restored from a backup"):
         make_workdir(run)
         model = build_model(run)
@@ -220,7 +225,7 @@ def _check_not_finished(workdir):
     )
 
 
-def prepare_run(config, workdir, strategy=None, *, overwrite=False):
+def prepare_run(config, workdir, strategy=None, *, overwrite=False, exits_after_stop=False):
     """Where the job runs (`topology`), every check and the data, before anything is written: a bad value fails
     here, before a work directory is made or a file replaced. A worker that is not the chief writes under
     workdir/workers/INDEX."""
@@ -265,7 +270,7 @@ def prepare_run(config, workdir, strategy=None, *, overwrite=False):
             "validation and no best.keras."
         )
     return Run(config, workdir, where, dataset, steps_per_epoch, steps_per_execution, exports,
-               overwrite and where.chief)  # fmt: skip
+               overwrite and where.chief, exits_after_stop)  # fmt: skip
 
 
 def make_workdir(run):
@@ -352,7 +357,7 @@ def fit_callbacks(run, model, start, extra=()):
     )
     # Several workers stop together: each asks the others after every step (one collective of one integer).
     stop = vit_callbacks.StopOnSignal(backup, config.grace_seconds, workers=run.topology.workers,
-                                      agree=run.topology.agree())  # fmt: skip
+                                      agree=run.topology.agree(), exits=run.exits_after_stop)  # fmt: skip
     callbacks = [
         backup,  # First: the others read its step.
         stop,
@@ -383,6 +388,7 @@ def fit(run, model, start, fitting):
     callback_list = vit_callbacks.RunCallbacks(fitting.callbacks, model=model, epochs=config.epochs, steps=spe,
                                                verbose=config.verbose)  # fmt: skip
     step, position = start.step, start.resumed.input
+    stopped = None
     try:
         while step < run.total_steps:
             epoch, into = divmod(step, spe)
@@ -413,8 +419,11 @@ def fit(run, model, start, fitting):
                 break
             step = fitting.backup.step
             position = positions.after(step) if positions is not None else None
-    except vit_callbacks.StoppedBySignal:
-        pass  # The backup is written; what the callbacks hold open (TensorBoard's writers) closes below.
+    except vit_callbacks.StoppedBySignal as error:
+        # The backup is written; what the callbacks hold open (TensorBoard's writers) closes below. The error
+        # stays referenced, and with it fit's input iterator: deleted, an iterator can wait up to a minute on
+        # tf.data's autotuning thread; a process that exits now need not delete it (`jobs.run_job`).
+        stopped = error
     finally:
         callback_list.end()
     stop = fitting.stop
@@ -423,7 +432,7 @@ def fit(run, model, start, fitting):
             f"Stopped by {signal.Signals(stop.signal_number).name} at step {fitting.backup.step} of "
             f"{run.total_steps}; the state is in {stop.backup_path}. Run the same command to resume from it.",
             stop.exit_code(),
-        )
+        ) from stopped
 
 
 def _clear_earlier_attempt(workdir):
@@ -557,7 +566,8 @@ def main(cli):
     imported = jobs.process_seconds()
     if imported is not None:
         phases.add("imports, flags, distribution (from the process's start)", imported)
-    metrics = train_and_evaluate(config, workdir, strategy, overwrite=cli.overwrite.value, phases=phases)
+    metrics = train_and_evaluate(config, workdir, strategy, overwrite=cli.overwrite.value, phases=phases,
+                                 exits_after_stop=True)  # fmt: skip
     logging.info("Metrics: %s", metrics)
     print(json.dumps(metrics, indent=2))
     if cli.profile_phases.value:

@@ -443,6 +443,46 @@ def tensorboard_scalars(workdir):
     return found
 
 
+# The command, with a teardown after the stop that does not end (as an input iterator's deletion that waits on
+# tf.data's autotuning thread, or a remote file system that hangs).
+STALLING = """
+import time
+from experiments import jobs, train
+from keras_vit import callbacks
+
+callbacks.RunCallbacks.end = lambda self: time.sleep(600)
+jobs.run_job(train.main, train.define_flags)
+"""
+
+
+@pytest.mark.slow
+def test_a_stopped_command_whose_teardown_stalls_exits_at_the_end_of_the_grace_period(tmp_path):
+    """After the backup, the command's grace period still holds: a teardown that does not end is cut at it, with
+    the signal's status and a message that the backup is written, which the next run resumes from."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    run = tmp_path / "run"
+    job = subprocess.Popen([sys.executable, "-c", STALLING, f"--workdir={run}", *TINY, "--config.grace_seconds=6"],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first_backup = run / "backup" / "state-00000000.json"
+    deadline = time.monotonic() + 600
+    while not first_backup.exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sent = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    try:
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        job.kill()  # Only if it is still there: the stall would hold it 600 s.
+    waited = time.monotonic() - sent
+    assert job.returncode == 143, stderr[-3000:]
+    assert 5 < waited < 20, waited  # The 6 s deadline, not the 600 s teardown.
+    step = int(stderr.split("the backup of step ")[1].split()[0])
+    assert "but the process had not exited 6 s after the signal; it exits now" in stderr, stderr[-3000:]
+    record = json.loads((run / "backup" / sorted(p.name for p in (run / "backup").glob("state-*.json"))[-1])
+                        .read_text())  # fmt: skip
+    assert record["step"] == step and step >= 4
+
+
 @pytest.mark.slow
 def test_sigterm_mid_epoch_then_the_same_command_ends_as_the_uninterrupted_run(tmp_path):
     """The command stopped by SIGTERM mid-epoch exits with 143 within the grace period without validating the

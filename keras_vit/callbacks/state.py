@@ -178,18 +178,26 @@ class StopOnSignal(keras.callbacks.Callback):
     each writing its own backup.  With several workers and no `agree`, the callback leaves the signals alone and
     logs so: the job then resumes from its last periodic backup.
 
+    A program that exits after the stop (a command-line job) gives `exits=True`: the deadline then stays armed
+    once the backup is written, and if the process has not exited when it passes (its teardown waits, say, on an
+    input pipeline's thread), it exits at once with the signal's status, saying the backup is written.  By
+    default the backup cancels it, for callers that go on after `fit`.
+
     Args:
         backup: the run's `Backup` (among `fit`'s callbacks too, before this one).
-        grace_seconds: how long the step in flight and the backup may take after the signal.
+        grace_seconds: how long the step in flight and the backup may take after the signal (with `exits`,
+            until the process exits).
         workers: processes training together; above 1, `agree` is needed (else the signals are left alone).
         agree: with several workers, `agree(signalled)`: True when any worker was signalled.
+        exits: whether the process exits after a stop (the deadline then holds until it does).
     """
 
-    def __init__(self, backup, grace_seconds=30.0, workers=1, agree=None):
+    def __init__(self, backup, grace_seconds=30.0, workers=1, agree=None, *, exits=False):
         super().__init__()
         if not grace_seconds > 0:
             raise ValueError(f"`grace_seconds` must be > 0. Received: grace_seconds={grace_seconds!r}")
         self.backup, self.grace_seconds, self.workers, self.agree = backup, float(grace_seconds), workers, agree
+        self.exits = exits
         self.signal_number = None
         self.backup_path = None
         self._previous = {}
@@ -222,11 +230,16 @@ class StopOnSignal(keras.callbacks.Callback):
         self._deadline.start()
 
     def _expire(self, reason=None):
-        reason = reason or f"the grace period of {self.grace_seconds:g} s passed before the step in flight ended"
-        sys.stderr.write(
-            f"Stopped by {signal.Signals(self.signal_number).name}: {reason}. The previous backup in "
-            f"{self.backup.folder} is intact; run the same command to resume from it.\n"
-        )
+        name = signal.Signals(self.signal_number).name
+        if self.backup_path is not None:  # With `exits`: the stop is complete, the process's exit is not.
+            message = (f"Stopped by {name}: the backup of step {self.backup.step} is written ({self.backup_path}), "
+                       f"but the process had not exited {self.grace_seconds:g} s after the signal; it exits now. "
+                       "Run the same command to resume from it.")  # fmt: skip
+        else:
+            reason = reason or f"the grace period of {self.grace_seconds:g} s passed before the step in flight ended"
+            message = (f"Stopped by {name}: {reason}. The previous backup in {self.backup.folder} is intact; run the "
+                       "same command to resume from it.")  # fmt: skip
+        sys.stderr.write(message + "\n")
         sys.stderr.flush()
         os._exit(self.exit_code())
 
@@ -245,7 +258,7 @@ class StopOnSignal(keras.callbacks.Callback):
         self.backup_path = self.backup.save()
         self.backup.keep_at_end = True
         self.model.stop_training = True
-        if self._deadline is not None:
+        if self._deadline is not None and not self.exits:
             self._deadline.cancel()
         return True
 
