@@ -77,15 +77,12 @@ def whole_executions(steps_per_execution, steps_per_epoch):
     return max(n for n in range(1, min(steps_per_execution, steps_per_epoch) + 1) if steps_per_epoch % n == 0)
 
 
-# The most classes whose confusion matrix the training counts, in every step (num_classes^2 float32, summed
-# over the devices on Keras' JAX backend): 40 KB at 100, the classes eval/ draws a matrix for.
-MAX_COUNTED_CLASSES = MAX_MATRIX_CLASSES
-
-
 def accuracy_metric(num_classes):
     """The job's "accuracy": a `ConfusionAccuracy`, whose counts give the epoch figures their validation matrix,
-    up to MAX_COUNTED_CLASSES classes; Keras' `CategoricalAccuracy` (the same values) above."""
-    if num_classes <= MAX_COUNTED_CLASSES:
+    up to MAX_MATRIX_CLASSES (100) classes, those eval/ draws a matrix for; Keras' `CategoricalAccuracy` (the
+    same values) above. The counts are updated in every step (num_classes^2 float32, summed over the devices on
+    Keras' JAX backend): 40 KB at 100 classes."""
+    if num_classes <= MAX_MATRIX_CLASSES:
         return ConfusionAccuracy(num_classes, name="accuracy")
     return keras.metrics.CategoricalAccuracy(name="accuracy")
 

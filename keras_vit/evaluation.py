@@ -25,6 +25,8 @@ import time
 import keras
 import numpy as np
 
+from keras_vit.layers.common import check_positive_int
+
 # The most classes drawn in a confusion matrix's picture (its CSV has them all).
 MAX_MATRIX_CLASSES = 100
 
@@ -62,7 +64,6 @@ def confusion_matrix(labels, predictions, num_classes):
     return confusion
 
 
-
 @keras.saving.register_keras_serializable(package="keras_vit")
 class ConfusionAccuracy(keras.metrics.Metric):
     """Top-1 accuracy (Keras' `CategoricalAccuracy` for one-hot or soft labels, `SparseCategoricalAccuracy` for
@@ -80,9 +81,7 @@ class ConfusionAccuracy(keras.metrics.Metric):
 
     def __init__(self, num_classes, name="accuracy", dtype=None):
         super().__init__(name=name, dtype=dtype)
-        if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
-            raise ValueError(f"`num_classes` must be a positive integer. Received: num_classes={num_classes!r}")
-        self.num_classes = num_classes
+        self.num_classes = check_positive_int("num_classes", num_classes)
         self._direction = "up"  # What Keras' callbacks read in mode "auto": higher is better, as for accuracy.
         self.counts = self.add_variable(shape=(num_classes, num_classes), initializer="zeros", dtype="float32",
                                         name="counts")  # fmt: skip
