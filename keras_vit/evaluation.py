@@ -297,7 +297,8 @@ def predict_with_labels(model, batches, strategy=None):
     input beside the logits.  The wrapper is made once per model, strategy and
     kind of labels and kept on the model: every later call (another split, the
     same model with other weights loaded) runs the function traced the first
-    time.
+    time.  A last batch smaller than the first is padded to its size and the padding
+    dropped from the answer (`_whole_batches`): every batch has one shape.
     """
     _, label_spec = batches.element_spec
     if strategy is None:  # TensorFlow: the strategy the model was built under (the default one if none).
@@ -309,10 +310,32 @@ def predict_with_labels(model, batches, strategy=None):
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
             image = keras.Input(model.input_shape[1:], dtype=model.inputs[0].dtype, name="image")
             label = keras.Input(label_spec.shape[1:], dtype=label_spec.dtype, name="label")
-            wrappers[key] = keras.Model({"image": image, "label": label}, [model(image), label])
+            real = keras.Input((), dtype="bool", name="real")
+            wrappers[key] = keras.Model({"image": image, "label": label, "real": real}, [model(image), label, real])
     with _quiet_retracing():
-        logits, labels = wrappers[key].predict(batches.map(lambda x, y: {"image": x, "label": y}), verbose=0)
-    return logits, labels
+        logits, labels, real = wrappers[key].predict(_whole_batches(batches), verbose=0)
+    return logits[real], labels[real]
+
+
+def _whole_batches(batches):
+    """`batches` of (images, labels) as {"image", "label", "real"}, each batch at least as large as the first:
+    a smaller one (the last of a split that the batch size does not divide) padded with zeros, "real" telling
+    its examples from the padding. So the predict step runs on one shape, compiled once under XLA (on a TPU a
+    compile of the whole model), and a keras.distribution can split every batch across its devices (a last
+    batch of 40 examples cannot be split across 16 devices)."""
+    import tensorflow as tf
+
+    def pad(size, batch):
+        images, labels = batch
+        count = tf.shape(images)[0]
+        size = tf.maximum(size, count)  # The first batch's size (the state starts at 0).
+
+        def padded(values):
+            return tf.pad(values, [[0, size - count]] + [[0, 0]] * (len(values.shape) - 1))
+
+        return size, {"image": padded(images), "label": padded(labels), "real": tf.range(size) < count}
+
+    return batches.scan(tf.constant(0, tf.int32), pad)
 
 
 class _Wrappers:

@@ -138,6 +138,29 @@ def test_one_predict_function_serves_every_split_and_weights_loaded_later(tmp_pa
     np.testing.assert_array_equal(loaded.predict(images, verbose=0), model.predict(images, verbose=0))
 
 
+@pytest.mark.environment("jax")
+def test_predictions_spread_over_devices_take_a_last_batch_the_devices_do_not_divide():
+    """Keras' DataParallel splits every batch across the devices, and a last batch of 5 examples cannot be
+    split across 2 (JAX refuses the sharding): `predict_with_labels` pads it to the first batch's size and
+    answers for the 21 examples, as the model does on one device."""
+    import jax
+    import tensorflow as tf
+
+    assert keras.backend.backend() == "jax" and len(jax.devices()) == 2
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    try:
+        model = randomize_weights(keras_vit.build_vit("testing", image_size=16, num_classes=7, patch_size=8,
+                                                      num_heads=2), scale=0.1)  # fmt: skip
+        images, labels = random_images((21, 16, 16, 3)), np.arange(21) % 7
+        batches = tf.data.Dataset.from_tensor_slices((images, labels)).batch(8)  # 8, 8 and 5 examples
+        logits, read = evaluation.predict_with_labels(model, batches)
+    finally:
+        keras.distribution.set_distribution(None)
+    expected = keras.ops.convert_to_numpy(model(images, training=False))
+    np.testing.assert_allclose(logits, expected, atol=1e-5)
+    np.testing.assert_array_equal(read, labels)
+
+
 @pytest.mark.slow
 def test_the_job_evaluates_the_training_jobs_model_as_the_training_job_did(digits_job, tmp_path):
     """The training job's final evaluation and the evaluation job (its command line, as a user runs it) are the
