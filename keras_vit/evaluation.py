@@ -310,19 +310,20 @@ def predict_with_labels(model, batches, strategy=None):
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
             image = keras.Input(model.input_shape[1:], dtype=model.inputs[0].dtype, name="image")
             label = keras.Input(label_spec.shape[1:], dtype=label_spec.dtype, name="label")
-            real = keras.Input((), dtype="bool", name="real")
+            real = keras.Input((), dtype="int32", name="real")  # Not bool: collectives gather no bool.
             wrappers[key] = keras.Model({"image": image, "label": label, "real": real}, [model(image), label, real])
     with _quiet_retracing():
         logits, labels, real = wrappers[key].predict(_whole_batches(batches), verbose=0)
+    real = real.astype(bool)
     return logits[real], labels[real]
 
 
 def _whole_batches(batches):
     """`batches` of (images, labels) as {"image", "label", "real"}, each batch at least as large as the first:
     a smaller one (the last of a split that the batch size does not divide) padded with zeros, "real" telling
-    its examples from the padding. So the predict step runs on one shape, compiled once under XLA (on a TPU a
-    compile of the whole model), and a keras.distribution can split every batch across its devices (a last
-    batch of 40 examples cannot be split across 16 devices)."""
+    its examples (1) from the padding (0). So the predict step runs on one shape, compiled once under XLA (on a
+    TPU a compile of the whole model), and a keras.distribution can split every batch across its devices (a
+    last batch of 40 examples cannot be split across 16 devices)."""
     import tensorflow as tf
 
     def pad(size, batch):
@@ -333,7 +334,8 @@ def _whole_batches(batches):
         def padded(values):
             return tf.pad(values, [[0, size - count]] + [[0, 0]] * (len(values.shape) - 1))
 
-        return size, {"image": padded(images), "label": padded(labels), "real": tf.range(size) < count}
+        real = tf.cast(tf.range(size) < count, tf.int32)
+        return size, {"image": padded(images), "label": padded(labels), "real": real}
 
     return batches.scan(tf.constant(0, tf.int32), pad)
 
