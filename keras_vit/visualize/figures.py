@@ -205,9 +205,11 @@ def plot_patch_grid(image, sequence, path, *, columns=None):
     # The sequence in units of one patch width: each slot is a patch under a label band.  It is drawn as one
     # image (one resampling, where a patch per `imshow` costs one each), `scale` pixels to a patch's pixel.
     scale = max(1, math.ceil(24 / pw))
-    unit, gap_px, band_px = pw * scale, max(1, round(0.2 * pw * scale)), round(0.5 * pw * scale)
+    unit, patch_h = pw * scale, ph * scale
+    gap_px, band_px = max(1, round(0.2 * unit)), round(0.5 * unit)
+    slot_w_px, slot_h_px = unit + gap_px, patch_h + band_px + gap_px
     aspect, gap, band = ph / pw, gap_px / unit, band_px / unit
-    slot_w, slot_h = 1 + gap, aspect + band + gap
+    slot_w, slot_h = slot_w_px / unit, slot_h_px / unit
     fig_w = min(max(columns * 0.6, 4.0), 10.0)
     image_w = min(fig_w * 0.6, 4.0 * width / height)
     image_h = image_w * height / width
@@ -237,7 +239,7 @@ def plot_patch_grid(image, sequence, path, *, columns=None):
     slots = list(zip(sequence.positions, crops))
     if sequence.class_token:
         slots.insert(0, (0, None))
-    canvas = np.zeros((seq_rows * (ph * scale + band_px + gap_px), columns * (unit + gap_px), 4), np.float32)
+    canvas = np.zeros((seq_rows * slot_h_px, columns * slot_w_px, 4), np.float32)
     for k, (position, crop) in enumerate(slots):
         left, top = (k % columns) * slot_w, (k // columns) * slot_h + band
         if crop is None:
@@ -249,10 +251,10 @@ def plot_patch_grid(image, sequence, path, *, columns=None):
                 fontsize=_fitting_fontsize(fig_w / columns, aspect * fig_w / (columns * slot_w), 7, 8.0),
             )
         else:
-            x, y = (k % columns) * (unit + gap_px), (k // columns) * (ph * scale + band_px + gap_px) + band_px
+            x, y = (k % columns) * slot_w_px, (k // columns) * slot_h_px + band_px
             pixels = np.repeat(np.repeat(crop, scale, axis=0), scale, axis=1)
-            canvas[y:y + ph * scale, x:x + unit, :3] = pixels[..., None] if pixels.ndim == 2 else pixels
-            canvas[y:y + ph * scale, x:x + unit, 3] = 1.0
+            canvas[y:y + patch_h, x:x + unit, :3] = pixels[..., None] if pixels.ndim == 2 else pixels
+            canvas[y:y + patch_h, x:x + unit, 3] = 1.0
         seq_ax.text(left + 0.5, top - 0.05, str(position), ha="center", va="bottom", fontsize=label_size)
     # Transparent between the patches; drawn under the class token's slot, which it leaves empty.
     seq_ax.imshow(canvas, interpolation="nearest", extent=(0, canvas.shape[1] / unit, canvas.shape[0] / unit, 0),
