@@ -24,6 +24,7 @@ import logging
 import re
 import typing
 import warnings
+import weakref
 import zipfile
 
 import keras
@@ -72,10 +73,45 @@ def _saved_variables(model):
     return [*model.weights, *(optimizer.variables if optimizer is not None else ())]
 
 
+_READ_BYTES = 64 * 2**20  # At most this much of the variables' values in host memory at a time.
+_readers = weakref.WeakKeyDictionary()  # model -> (its variables' ids, one reader per group of them)
+
+
+def _values(model, variables):
+    """The values of `variables` as NumPy arrays, in order, read in groups of at most `_READ_BYTES` (a variable
+    larger than that alone). On TensorFlow each group is read by one compiled function, traced once per model:
+    read one by one, the eager reads of a small model's 169 variables took 20 times as long as the write
+    needs them to (a backup each epoch of a run of short epochs)."""
+    groups, size = [[]], 0
+    for variable in variables:
+        nbytes = int(np.prod(variable.shape)) * _numpy_dtype(variable.dtype).itemsize
+        if groups[-1] and size + nbytes > _READ_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(variable)
+        size += nbytes
+    if keras.backend.backend() != "tensorflow":
+        for group in groups:
+            yield from (keras.ops.convert_to_numpy(variable) for variable in group)
+        return
+    import tensorflow as tf
+
+    key = tuple(id(variable) for variable in variables)
+    known = _readers.get(model)
+    if known is None or known[0] != key:
+
+        def reader(group):
+            return tf.function(lambda: [tf.identity(variable.value) for variable in group], autograph=False)
+
+        known = _readers[model] = (key, [reader(group) for group in groups])
+    for read in known[1]:
+        yield from (value.numpy() for value in read())
+
+
 def _write_variables(model, path):
     """The values of `_saved_variables(model)` into the NumPy archive `path` (a local file, as `np.savez`
-    writes one): "0", "1", ... in order, and "paths", their paths; one variable in memory at a time. A dtype
-    that is not NumPy's own (bfloat16) is kept as its bits."""
+    writes one): "0", "1", ... in order, and "paths", their paths; `_values` reads them a group at a time. A
+    dtype that is not NumPy's own (bfloat16) is kept as its bits."""
     variables = _saved_variables(model)
 
     def write(name, value):
@@ -86,8 +122,8 @@ def _write_variables(model, path):
 
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
         write("paths", np.array([variable.path for variable in variables], dtype=str))
-        for i, variable in enumerate(variables):
-            write(str(i), keras.ops.convert_to_numpy(variable))
+        for i, value in enumerate(_values(model, variables)):
+            write(str(i), value)
 
 
 def _read_variables(model, path):

@@ -145,3 +145,21 @@ def test_bfloat16_variables_are_saved_and_restored_bit_for_bit(tmp_path):
     assert keras.backend.standardize_dtype(fresh.layers[0].kernel.dtype) == "bfloat16"
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(fresh.layers[0].kernel).view("u2"),
                                   keras.ops.convert_to_numpy(model.layers[0].kernel).view("u2"))  # fmt: skip
+
+
+def test_each_backup_holds_the_values_at_its_writing_read_in_groups_of_bounded_size(tmp_path, monkeypatch):
+    # 100 bytes: the first kernel (4 x 8 float32, 128 bytes) is a group alone, the next variables share groups.
+    monkeypatch.setattr(backups, "_READ_BYTES", 100)
+    model = make_model()
+    model.optimizer.build(model.trainable_variables)
+    variables = backups._saved_variables(model)
+    for step in (1, 2):
+        for i, variable in enumerate(variables):
+            variable.assign(np.full(variable.shape, 10 * step + i, keras.backend.standardize_dtype(variable.dtype)))
+        backups.write_state(model, str(tmp_path), {"epoch": 0, "step": step})
+    fresh = make_model()
+    assert backups.restore_state(fresh, str(tmp_path)).step == 2
+    restored = backups._saved_variables(fresh)
+    assert len(restored) == len(variables) > 4
+    for i, variable in enumerate(restored):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), np.full(variable.shape, 20 + i))
