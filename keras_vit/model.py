@@ -43,6 +43,7 @@ import warnings
 
 import keras
 
+from keras_vit import compat
 from keras_vit import layers as vit_layers
 from keras_vit.layers.common import register
 from keras_vit.layers.core import make_norm
@@ -295,6 +296,12 @@ class ViT(TrainingSteps, keras.Model):
     @property
     def class_names(self):
         return self._spec.class_names
+
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """Keras' `Model.save`; later `.keras` saves in the thread skip what this one computed once per type
+        (`keras_vit.compat.keep_saving_skipsets`): a run that saves its best model at many epochs pays it once."""
+        super().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+        compat.keep_saving_skipsets()
 
     def quantize(self, mode=None, config=None, filters=None, **kwargs):
         """Keras' post-training quantization (`keras.Model.quantize`) of every matmul but the patch

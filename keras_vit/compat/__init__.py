@@ -34,6 +34,9 @@ The entries, by what they adapt (one module each), what each relies on, and who 
     keras_vit.train_step (gradient accumulation on JAX).
   - `build_for_fit(model, batch)`: the trainer's `_symbolic_build`; keras_vit.aot (a step compiled ahead of
     time needs the variables `fit` makes first).
+- Saving (`saving`):
+  - `keep_saving_skipsets()`: keras.src.saving.saving_lib.get_attr_skipset and
+    keras.src.backend.common.global_state; keras_vit.ViT.save (Keras' cache of its skip sets never hits).
 - `model.fit` under MultiWorkerMirroredStrategy (`multi_worker`):
   - `patch_keras_for_multi_worker_fit()`: keras.src.backend.tensorflow.trainer
     (`TensorFlowTrainer._maybe_symbolic_build`, `reduce_per_replica`, `_collective_all_reduce_multi_worker`,
@@ -44,6 +47,7 @@ RuntimeError) naming the API, the versions it was written for and the versions i
 something else. The two probes, `onednn_enabled` and `in_xla_context`, answer False instead: for the kernels
 layer the plain path is correct everywhere, only slower; RandAugment applied inside an XLA-compiled function
 would then fail to compile (rotate, shear, translate) or draw other numbers, which its canary catches first.
+`keep_saving_skipsets` does nothing instead: saves stay correct, at Keras' own cost.
 
 `api_problems(entry)` lists what an entry relies on that the installed versions lack ([] when all is there);
 the canaries assert it is empty.
@@ -64,6 +68,7 @@ from keras_vit.compat.graphs import convert_variables_to_constants, grappler_op_
 from keras_vit.compat.multi_worker import multi_worker_fit_patched, patch_keras_for_multi_worker_fit
 from keras_vit.compat.optimizers import ClipAfterAllReduce, LearningRateScales, swap_moving_average
 from keras_vit.compat.probes import in_xla_context, onednn_enabled
+from keras_vit.compat.saving import keep_saving_skipsets
 from keras_vit.compat.trainer import build_for_fit, track_loss, update_metrics_stateless
 
 # Every entry, in the order of the table above (each module adds its own to CHECKS).
@@ -78,6 +83,7 @@ ENTRIES = (
     "track_loss",
     "update_metrics_stateless",
     "build_for_fit",
+    "keep_saving_skipsets",
     "patch_keras_for_multi_worker_fit",
 )
 
@@ -94,6 +100,7 @@ __all__ = [
     "grappler_op_types",
     "in_xla_context",
     "installed_versions",
+    "keep_saving_skipsets",
     "multi_worker_fit_patched",
     "onednn_enabled",
     "patch_keras_for_multi_worker_fit",
