@@ -80,8 +80,8 @@ _readers = weakref.WeakKeyDictionary()  # model -> (its variables' ids, one read
 def _values(model, variables):
     """The values of `variables` as NumPy arrays, in order, read in groups of at most `_READ_BYTES` (a variable
     larger than that alone). On TensorFlow each group is read by one compiled function, traced once per model:
-    read one by one, the eager reads of a small model's 169 variables took 20 times as long as the write
-    needs them to (a backup each epoch of a run of short epochs)."""
+    one eager read per variable costs a small model's backup more than its writing, at every epoch of a run of
+    short epochs."""
     groups, size = [[]], 0
     for variable in variables:
         nbytes = int(np.prod(variable.shape)) * _numpy_dtype(variable.dtype).itemsize

@@ -326,7 +326,7 @@ def _whole_batches(batches):
     last batch of 40 examples cannot be split across 16 devices)."""
     import tensorflow as tf
 
-    @tf.autograph.experimental.do_not_convert  # No control flow to rewrite: traced as written (0.1 s less).
+    @tf.autograph.experimental.do_not_convert  # No control flow to rewrite: traced as written, faster.
     def pad(size, batch):
         images, labels = batch
         count = tf.shape(images)[0]

@@ -17,7 +17,7 @@ def keep_saving_skipsets():
     fresh reference objects (a Layer; a Metric and a CompileMetrics; an Optimizer).  That function stores the
     set in Keras' global state (`keras.src.backend.common.global_state`, one per thread) under
     "saving_attr_skipset_<type>" but looks for it under "saving_attr_skiplist_<type>", so it makes the set
-    again for every object it walks: about 30% of the digits model's save (36 ms of 120).  This copies each
+    again for every object it walks: about a third of a small model's save.  This copies each
     stored set to the name the lookup reads; the sets do not depend on the object.  After
     `keras.backend.clear_session()` (which clears that state) the next save makes them again, and the next call
     keeps them.

@@ -100,8 +100,8 @@ def training_stream(split, batch_size, *, num_classes=None, seed=0, max_shift=0,
 
 def _plain(function):
     """`function` traced as written, without AutoGraph's rewrite (for functions with no Python control flow on
-    tensors): tf.data converts every function it traces otherwise, 0.1-0.2 s each on these 2-core CPUs, about
-    a second of a small training run's start."""
+    tensors): tf.data otherwise converts every function it traces, a tenth of a second or more each, paid when
+    each pipeline is made."""
     return tf.autograph.experimental.do_not_convert(function)
 
 
