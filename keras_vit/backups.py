@@ -78,10 +78,23 @@ _readers = weakref.WeakKeyDictionary()  # model -> (its variables' ids, one read
 
 
 def _values(model, variables):
-    """The values of `variables` as NumPy arrays, in order, read in groups of at most `_READ_BYTES` (a variable
-    larger than that alone). On TensorFlow each group is read by one compiled function, traced once per model:
-    one eager read per variable costs a small model's backup more than its writing, at every epoch of a run of
-    short epochs."""
+    """The values of `variables` as NumPy arrays, in order. On TensorFlow they are read in groups of at most
+    `_READ_BYTES` (a variable larger than that alone), each group by one compiled function, traced once per
+    model: one eager read per variable costs a small model's backup more than its writing, at every epoch of a
+    run of short epochs. Elsewhere one variable at a time."""
+    if keras.backend.backend() != "tensorflow":
+        yield from (keras.ops.convert_to_numpy(variable) for variable in variables)
+        return
+    key = tuple(id(variable) for variable in variables)
+    known = _readers.get(model)
+    if known is None or known[0] != key:
+        known = _readers[model] = (key, [_reader(group) for group in _groups(variables)])
+    for read in known[1]:
+        yield from (value.numpy() for value in read())
+
+
+def _groups(variables):
+    """`variables` in order, cut into lists whose values take at most `_READ_BYTES` (a larger variable alone)."""
     groups, size = [[]], 0
     for variable in variables:
         nbytes = int(np.prod(variable.shape)) * _numpy_dtype(variable.dtype).itemsize
@@ -90,22 +103,13 @@ def _values(model, variables):
             size = 0
         groups[-1].append(variable)
         size += nbytes
-    if keras.backend.backend() != "tensorflow":
-        for group in groups:
-            yield from (keras.ops.convert_to_numpy(variable) for variable in group)
-        return
+    return groups
+
+
+def _reader(group):
     import tensorflow as tf
 
-    key = tuple(id(variable) for variable in variables)
-    known = _readers.get(model)
-    if known is None or known[0] != key:
-
-        def reader(group):
-            return tf.function(lambda: [tf.identity(variable.value) for variable in group], autograph=False)
-
-        known = _readers[model] = (key, [reader(group) for group in groups])
-    for read in known[1]:
-        yield from (value.numpy() for value in read())
+    return tf.function(lambda: [tf.identity(variable.value) for variable in group], autograph=False)
 
 
 def _write_variables(model, path):
