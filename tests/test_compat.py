@@ -219,7 +219,6 @@ def test_the_probes_answer_false_when_their_api_is_missing(monkeypatch):
     assert compat.api_problems("in_xla_context") == ["tensorflow.NoSuchProbe does not exist"]
 
 
-
 def test_after_one_save_of_a_vit_keras_saving_makes_no_reference_objects_and_the_file_is_the_same(tmp_path,
                                                                                                monkeypatch):
     from keras_vit import build_vit
