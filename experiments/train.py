@@ -365,7 +365,7 @@ def fit_callbacks(run, model, start, extra=()):
         *averaged,
         *selection,
         log,
-        keras.callbacks.TensorBoard(tf.io.gfile.join(workdir, "tensorboard")),
+        vit_callbacks.TensorBoard(tf.io.gfile.join(workdir, "tensorboard")),
         vit_callbacks.Progress(start.step),
         throughput,
         *epoch_figures,

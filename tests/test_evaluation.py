@@ -333,3 +333,62 @@ def test_tensorboard_gets_the_confusion_matrix_and_rollouts_each_epoch(tmp_path)
     assert side_by_side.shape == (3, 16, 32, 3)
     np.testing.assert_array_equal(side_by_side[:, :, :16], images[:3])
     assert np.all(side_by_side[:, :, 16:] <= images[:3])
+
+
+def tensorboard_scalars(folder):
+    """{(run, tag): [(step, value)]} of the scalar summaries in the event files under `folder` (run: the
+    folder the file is in)."""
+    import glob
+    import os
+
+    import tensorflow as tf
+
+    found = {}
+    for path in sorted(glob.glob(f"{folder}/**/events.out.tfevents.*", recursive=True)):
+        run = os.path.basename(os.path.dirname(path))
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "scalars":
+                    found.setdefault((run, value.tag), []).append(
+                        (event.step, float(tf.make_ndarray(value.tensor)))
+                    )
+    return found
+
+
+def test_tensorboard_writes_what_keras_writes_without_a_summary_call_a_step_unless_a_writer_records_them(
+    tmp_path, monkeypatch
+):
+    """The same epoch scalars as Keras' TensorBoard (the same weights, the same data); no summary call at the
+    steps after the first when none can record; with a writer made the default around `fit`, every step's
+    scalars, as Keras'."""
+    import tensorflow as tf
+
+    images = random_images((64, 16, 16, 3)).astype(np.uint8)
+    labels = keras.utils.to_categorical(np.arange(64) % 10, 10)
+
+    def fit(board, **kwargs):
+        keras.utils.set_random_seed(1)
+        model = keras_vit.build_vit("testing", image_size=16, num_classes=10, patch_size=4, num_heads=2)
+        model.compile(optimizer="adam", loss=keras.losses.CategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])  # fmt: skip
+        model.fit(images, labels, epochs=2, batch_size=16, validation_data=(images[:16], labels[:16]),
+                  callbacks=[board], verbose=0, shuffle=False, **kwargs)  # fmt: skip
+
+    fit(keras.callbacks.TensorBoard(tmp_path / "keras"))
+    calls = []
+    scalar = tf.summary.scalar
+    monkeypatch.setattr(tf.summary, "scalar", lambda *args, **kwargs: calls.append(args[0]) or scalar(*args, **kwargs))
+    fit(callbacks.TensorBoard(tmp_path / "ours"))
+    # The first step's only: Keras' own runs it, which writes the graph (write_graph=True, the default) there.
+    assert calls.count("batch_loss") == 1 and calls.count("batch_accuracy") == 1, calls
+    expected, got = tensorboard_scalars(tmp_path / "keras"), tensorboard_scalars(tmp_path / "ours")
+    assert ("train", "epoch_loss") in expected and ("validation", "epoch_accuracy") in expected
+    assert got.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_allclose([v for _, v in got[key]], [v for _, v in expected[key]], rtol=1e-6, err_msg=key)
+        assert [s for s, _ in got[key]] == [s for s, _ in expected[key]], key
+
+    calls.clear()
+    with tf.summary.create_file_writer(str(tmp_path / "around")).as_default(step=0):
+        fit(callbacks.TensorBoard(tmp_path / "recorded"))
+    assert calls.count("batch_loss") == 8 and calls.count("batch_accuracy") == 8, calls  # 2 epochs of 4 steps

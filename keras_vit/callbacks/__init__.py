@@ -6,6 +6,7 @@ its stop; `reporting`: what it writes and shows):
 - `EMAWeights`: the moving average of the weights where `fit` validates and at each epoch's end.
 - `AtomicModelCheckpoint`: `ModelCheckpoint` that writes each file whole or not at all.
 - `CSVLog`: the epochs' metrics as CSV on any file system, across restarts.
+- `TensorBoard`: Keras' `TensorBoard` without its per-step calls that record nothing.
 - `TensorBoardFigures`: the validation confusion matrix and attention rollouts in TensorBoard.
 - `Progress`: Keras' progress bar and epoch lines, for a run that may resume mid-epoch.
 - `Throughput`: images per second of the training steps.
@@ -24,6 +25,7 @@ from keras_vit.callbacks.reporting import (
     CSVLog,
     EMAWeights,
     Progress,
+    TensorBoard,
     TensorBoardFigures,
     Throughput,
 )
@@ -39,6 +41,7 @@ __all__ = [
     "RunCallbacks",
     "StopOnSignal",
     "StoppedBySignal",
+    "TensorBoard",
     "TensorBoardFigures",
     "Throughput",
     "any_process",

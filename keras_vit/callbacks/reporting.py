@@ -1,5 +1,5 @@
-"""What a run writes and shows: `EMAWeights`, `CSVLog`, `AtomicModelCheckpoint`, `TensorBoardFigures`, `Progress`,
-`Throughput`."""
+"""What a run writes and shows: `EMAWeights`, `CSVLog`, `AtomicModelCheckpoint`, `TensorBoard`,
+`TensorBoardFigures`, `Progress`, `Throughput`."""
 
 import os
 import time
@@ -183,6 +183,24 @@ class AtomicModelCheckpoint(keras.callbacks.ModelCheckpoint):
                     self.saved_epoch = epoch
         finally:
             self.filepath = self.destination
+
+
+class TensorBoard(keras.callbacks.TensorBoard):
+    """Keras' `TensorBoard`, the same files, without its per-step summary calls where none can record: with
+    `update_freq="epoch"` (the default), no steps per second and no profiling, Keras' own makes a summary call
+    for each logged value at every step, which records nothing (no summary writer is the default between
+    epochs) and costs a run of small steps a share of its time. A writer made the default around `fit` still
+    gets them."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        import tensorflow as tf
+
+        idle = (self.update_freq == "epoch" and not self.write_steps_per_second
+                # Keras' own state, read with the answer that keeps its behaviour when it is not there.
+                and not getattr(self, "_should_write_train_graph", True) and not getattr(self, "_should_trace", True)
+                and not bool(tf.summary.should_record_summaries()))  # fmt: skip
+        if not idle:
+            super().on_train_batch_end(batch, logs)
 
 
 class TensorBoardFigures(keras.callbacks.Callback):
