@@ -212,6 +212,29 @@ def test_patch_embedding_filters_are_the_principal_components():
         visualize.patch_embedding_filters(model, num_components=13)
 
 
+@pytest.mark.parametrize("channels", [3, 1])
+def test_the_filters_figure_shows_each_filter_scaled_to_its_own_range_in_order(tmp_path, monkeypatch, channels):
+    """One image: filter k at row k // 7, column k % 7, each pixel a 6x6 block (24 / 4 pixels), 3-pixel white
+    gaps between them; a one-channel filter in grey."""
+    import matplotlib.axes
+
+    filters = np.random.default_rng(0).normal(size=(9, 3, 4, channels))
+    drawn, imshow = [], matplotlib.axes.Axes.imshow
+    monkeypatch.setattr(matplotlib.axes.Axes, "imshow", lambda self, x, **kw: drawn.append(x) or imshow(self, x, **kw))
+    assert visualize.plot_filters(filters, tmp_path / "filters.png") == str(tmp_path / "filters.png")
+    (canvas,) = drawn
+    assert canvas.shape == (2 * 18 + 3, 7 * 24 + 6 * 3, 3)
+    painted = np.zeros(canvas.shape[:2], bool)
+    for k, component in enumerate(filters):
+        top, left = (k // 7) * 21, (k % 7) * 27
+        expected = (component - component.min()) / (component.max() - component.min())
+        expected = np.broadcast_to(expected, (3, 4, 3)).repeat(6, axis=0).repeat(6, axis=1)
+        np.testing.assert_allclose(canvas[top:top + 18, left:left + 24], expected, atol=1e-6, err_msg=str(k))
+        painted[top:top + 18, left:left + 24] = True
+    np.testing.assert_array_equal(canvas[~painted], 1.0)  # The gaps and the empty slots are white.
+    assert (tmp_path / "filters.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_figures_are_written_as_png_files(tmp_path):
     model = small_vit()
     image = random_images((8, 12, 3))

@@ -160,18 +160,30 @@ def plot_position_similarity(similarity, path):
 
 
 def plot_filters(filters, path):
-    """Principal components of the patch-embedding filters as RGB patches (Figure 7, left)."""
+    """Principal components of the patch-embedding filters as RGB patches (Figure 7, left), each scaled to its
+    own range, 7 to a row. They are drawn as one image (one resampling, where an axes per filter costs each its
+    own layout and drawing)."""
     plt = pyplot()
+    filters = [np.asarray(component, np.float32) for component in filters]
     count = len(filters)
     cols = min(count, 7)
     rows = math.ceil(count / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(cols, rows), squeeze=False)
-    for ax in axes.ravel():
-        _hide_axes(ax)
+    height, width, channels = filters[0].shape
+    scale = max(1, math.ceil(24 / max(height, width)))  # Nearest-neighbour pixels: small patches stay sharp.
+    tile_h, tile_w = height * scale, width * scale
+    gap = max(1, max(tile_h, tile_w) // 8)
+    canvas = np.ones((rows * (tile_h + gap) - gap, cols * (tile_w + gap) - gap, 3 if channels == 1 else channels),
+                     np.float32)  # fmt: skip
     for k, component in enumerate(filters):
         low, high = component.min(), component.max()
         shown = (component - low) / max(high - low, 1e-12)
-        axes[k // cols, k % cols].imshow(shown[..., 0] if shown.shape[-1] == 1 else shown, cmap="gray")
+        if channels == 1:
+            shown = np.repeat(shown, 3, axis=-1)  # Grey.
+        top, left = (k // cols) * (tile_h + gap), (k % cols) * (tile_w + gap)
+        canvas[top:top + tile_h, left:left + tile_w] = shown.repeat(scale, axis=0).repeat(scale, axis=1)
+    fig, ax = plt.subplots(figsize=(cols, rows + 0.4))
+    ax.imshow(canvas, interpolation="nearest")
+    _hide_axes(ax)
     fig.suptitle("patch embedding filters (principal components)")
     return save_figure(fig, path)
 
