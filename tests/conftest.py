@@ -92,6 +92,24 @@ def run_together(commands, timeout):
     return outputs
 
 
+def tensorboard_scalars(folder):
+    """{(run, tag, step): value} of every scalar in the event files of `folder`'s runs (its subfolders: "train",
+    "validation"); each written once, or the test fails."""
+    import tensorflow as tf
+
+    found = {}
+    for path in sorted(pathlib.Path(folder).glob("*/events.out.tfevents.*")):
+        for record in tf.data.TFRecordDataset(str(path)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name != "scalars":
+                    continue
+                key = (path.parent.name, value.tag, event.step)
+                assert key not in found, f"{key} written twice in {folder}"
+                found[key] = tf.make_ndarray(value.tensor).item()
+    return found
+
+
 def run_command_line(module, *args, main=None, exit_code=0):
     """`python -m module args...` in this process: the job's flags defined and parsed from `args` as its command
     line does (`experiments.jobs.run_job`), then `main(flags)` (the job's own `main` by default), from the

@@ -18,7 +18,7 @@ import keras_vit
 from keras_vit import backups, callbacks
 from keras_vit import data as vit_data
 from keras_vit.callbacks import Backup, StopOnSignal, StoppedBySignal
-from tests.conftest import ROOT, run_command_line, run_together
+from tests.conftest import ROOT, run_command_line, run_together, tensorboard_scalars
 from tests.test_data import prepare_tfds, write_folder, write_odd_folder
 
 # === The data: a function of the position in the stream ===
@@ -428,21 +428,6 @@ def command(workdir):
     return [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *TINY]
 
 
-def tensorboard_scalars(workdir):
-    """{(run, tag, step): value} of every scalar in workdir/tensorboard; each written once, or the test fails."""
-    found = {}
-    for path in sorted((workdir / "tensorboard").glob("*/events.out.tfevents.*")):
-        for record in tf.data.TFRecordDataset(str(path)):
-            event = tf.compat.v1.Event.FromString(record.numpy())
-            for value in event.summary.value:
-                if value.metadata.plugin_data.plugin_name != "scalars":
-                    continue
-                key = (path.parent.name, value.tag, event.step)
-                assert key not in found, f"{key} written twice in {workdir}"
-                found[key] = tf.make_ndarray(value.tensor).item()
-    return found
-
-
 # The command, with a teardown after the stop that does not end (as an input iterator's deletion that waits on
 # tf.data's autotuning thread, or a remote file system that hangs).
 STALLING = """
@@ -527,8 +512,9 @@ def test_sigterm_mid_epoch_then_the_same_command_ends_as_the_uninterrupted_run(t
     for name in ("log.csv", "history.json"):
         assert (run / name).read_text() == (tmp_path / "whole" / name).read_text(), name
     assert [line.split(",")[0] for line in (run / "log.csv").read_text().splitlines()[1:]] == ["0", "1"]
-    scalars = tensorboard_scalars(run)
-    assert scalars == tensorboard_scalars(tmp_path / "whole") and ("validation", "epoch_accuracy", 1) in scalars
+    scalars = tensorboard_scalars(run / "tensorboard")
+    uninterrupted = tensorboard_scalars(tmp_path / "whole" / "tensorboard")
+    assert scalars == uninterrupted and ("validation", "epoch_accuracy", 1) in scalars
     metrics = [json.loads((path / "metrics.json").read_text()) for path in (tmp_path / "whole", run)]
     for key in ("best_validation_accuracy", "best_test_accuracy", "test_accuracy", "test_loss"):
         assert metrics[0][key] == metrics[1][key], key
