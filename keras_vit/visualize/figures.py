@@ -46,6 +46,16 @@ def _hide_axes(ax):
     ax.yaxis.set_visible(False)
 
 
+# A patch drawn in a mosaic of patches is enlarged to about this many pixels a side, each of its pixels a block.
+_PATCH_PIXELS = 24
+
+
+def _enlarged(pixels, scale):
+    """`pixels` (height, width, ...) with each pixel a `scale` x `scale` block: nearest-neighbour, so small patches
+    stay sharp when the mosaic is drawn as one image."""
+    return np.repeat(np.repeat(pixels, scale, axis=0), scale, axis=1)
+
+
 def save_figure(figure, path, *, dpi=100):
     """Writes a matplotlib figure as a PNG to `path` (local, gs:// or any TensorFlow file system), closes it,
     returns the path as a string.
@@ -169,7 +179,7 @@ def plot_filters(filters, path):
     cols = min(count, 7)
     rows = math.ceil(count / cols)
     height, width, channels = filters[0].shape
-    scale = max(1, math.ceil(24 / max(height, width)))  # Nearest-neighbour pixels: small patches stay sharp.
+    scale = max(1, math.ceil(_PATCH_PIXELS / max(height, width)))
     tile_h, tile_w = height * scale, width * scale
     gap = max(1, max(tile_h, tile_w) // 8)
     canvas = np.ones((rows * (tile_h + gap) - gap, cols * (tile_w + gap) - gap, 3 if channels == 1 else channels),
@@ -180,7 +190,7 @@ def plot_filters(filters, path):
         if channels == 1:
             shown = np.repeat(shown, 3, axis=-1)  # Grey.
         top, left = (k // cols) * (tile_h + gap), (k % cols) * (tile_w + gap)
-        canvas[top:top + tile_h, left:left + tile_w] = shown.repeat(scale, axis=0).repeat(scale, axis=1)
+        canvas[top:top + tile_h, left:left + tile_w] = _enlarged(shown, scale)
     fig, ax = plt.subplots(figsize=(cols, rows + 0.4))
     ax.imshow(canvas, interpolation="nearest")
     _hide_axes(ax)
@@ -224,7 +234,7 @@ def plot_patch_grid(image, sequence, path, *, columns=None):
     seq_rows = math.ceil(count / columns)
     # The sequence in units of one patch width: each slot is a patch under a label band.  It is drawn as one
     # image (one resampling, where a patch per `imshow` costs one each), `scale` pixels to a patch's pixel.
-    scale = max(1, math.ceil(24 / pw))
+    scale = max(1, math.ceil(_PATCH_PIXELS / pw))
     unit, patch_h = pw * scale, ph * scale
     gap_px, band_px = max(1, round(0.2 * unit)), round(0.5 * unit)
     slot_w_px, slot_h_px = unit + gap_px, patch_h + band_px + gap_px
@@ -272,7 +282,7 @@ def plot_patch_grid(image, sequence, path, *, columns=None):
             )
         else:
             x, y = (k % columns) * slot_w_px, (k // columns) * slot_h_px + band_px
-            pixels = np.repeat(np.repeat(crop, scale, axis=0), scale, axis=1)
+            pixels = _enlarged(crop, scale)
             canvas[y:y + patch_h, x:x + unit, :3] = pixels[..., None] if pixels.ndim == 2 else pixels
             canvas[y:y + patch_h, x:x + unit, 3] = 1.0
         seq_ax.text(left + 0.5, top - 0.05, str(position), ha="center", va="bottom", fontsize=label_size)
