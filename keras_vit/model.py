@@ -274,16 +274,20 @@ class ViT(TrainingSteps, keras.Model):
         for layer_name in frozen_layers:
             self.get_layer(layer_name).trainable = False
         if quantized:
-            layers = {layer.path: layer for layer in _all_layers(self)}
+            self._quantize_as_saved(quantized)
+
+    def _quantize_as_saved(self, quantized):
+        layers = {layer.path: layer for layer in _all_layers(self)}
+        unknown = sorted(set(quantized) - set(layers))
+        if unknown:
+            known = sorted(filter(None, layers))
+            raise ValueError(f"No layer {unknown[0]!r} to quantize in {self.name!r}. Layers: {known}")
+        with warnings.catch_warnings(), compat.one_collection_for_deleted_variables():
+            warnings.filterwarnings("ignore", message=_NUMPY_COPY_WARNING)
             for path, saved in quantized.items():
-                if path not in layers:
-                    known = sorted(filter(None, layers))
-                    raise ValueError(f"No layer {path!r} to quantize in {self.name!r}. Layers: {known}")
                 # As the layer was quantized: its mode and its QuantizationConfig (weight-only, int4 blocks).
                 config = keras.saving.deserialize_keras_object(saved["config"]) if saved.get("config") else None
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=_NUMPY_COPY_WARNING)
-                    layers[path].quantize(keras.dtype_policies.get(saved["policy"]).quantization_mode, config=config)
+                layers[path].quantize(keras.dtype_policies.get(saved["policy"]).quantization_mode, config=config)
 
     @property
     def spec(self):
@@ -317,7 +321,8 @@ class ViT(TrainingSteps, keras.Model):
 
         own = [layer for layer in _all_layers(self) if isinstance(layer, Int8Kernels) and _selected(layer, filters)]
         refused = []
-        with warnings.catch_warnings():
+        # Keras collects garbage after each kernel it replaces: once here (keras_vit.compat).
+        with warnings.catch_warnings(), compat.one_collection_for_deleted_variables():
             warnings.filterwarnings("ignore", message=_NUMPY_COPY_WARNING)
             super().quantize(mode, config=config, filters=matmul, **kwargs)
             for layer in own:

@@ -237,3 +237,52 @@ def test_after_one_save_of_a_vit_keras_saving_makes_no_reference_objects_and_the
     assert [w.path for w in reloaded.weights] == [w.path for w in model.weights]
     for saved, loaded in zip(model.weights, reloaded.weights):
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(saved), keras.ops.convert_to_numpy(loaded))
+
+
+def test_quantizing_a_vit_and_loading_it_quantized_collect_garbage_once_and_other_threads_as_usual(tmp_path,
+                                                                                                 monkeypatch):
+    """Keras' Layer.__delattr__ collects after each deleted kernel; ViT.quantize and the loading of its file
+    collect once, and a thread collecting meanwhile gets Python's collection."""
+    import contextlib
+    import gc
+    import threading
+
+    from keras_vit import build_vit
+    from keras_vit.testing import random_images
+
+    collections = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(threading.get_ident()) or collect(*args))
+    model = build_vit("testing", image_size=32, num_classes=3, num_layers=1)
+    float_model = build_vit("testing", image_size=32, num_classes=3, num_layers=1)
+    float_model.set_weights(model.get_weights())
+    images = random_images((2, 32, 32, 3))
+    deleted, others = [], []
+    delete = keras.layers.Layer.__delattr__
+    monkeypatch.setattr(keras.layers.Layer, "__delattr__",
+                        lambda self, name: deleted.append(name) or delete(self, name))
+
+    def collect_meanwhile():
+        others.append(gc.collect() >= 0)  # Python's own: a count of what it found.
+
+    other = threading.Thread(target=collect_meanwhile)
+    with compat.one_collection_for_deleted_variables():
+        other.start()
+        other.join()
+    assert collections == [other.ident, threading.get_ident()] and others == [True]
+    collections.clear()
+    model.quantize("int8")
+    kernels = len(deleted)
+    assert kernels > 1 and collections == [threading.get_ident()]  # Each kernel replaced; one collection.
+    assert gc.collect is not collect and gc.collect() >= 0 and len(collections) == 2  # The test's counter again.
+    model.save(tmp_path / "int8.keras")
+    collections.clear()
+    reloaded = keras.saving.load_model(tmp_path / "int8.keras")
+    assert collections == [threading.get_ident()]
+    np.testing.assert_array_equal(reloaded.predict(images, verbose=0), model.predict(images, verbose=0))
+    # Quantized as Keras quantizes it, one collection per kernel: the same predictions.
+    monkeypatch.setattr(compat, "one_collection_for_deleted_variables", contextlib.nullcontext)
+    collections.clear()
+    float_model.quantize("int8")
+    assert len(collections) == kernels
+    np.testing.assert_array_equal(float_model.predict(images, verbose=0), model.predict(images, verbose=0))

@@ -37,6 +37,9 @@ The entries, by what they adapt (one module each), what each relies on, and who 
 - Saving (`saving`):
   - `keep_saving_skipsets()`: keras.src.saving.saving_lib.get_attr_skipset and
     keras.src.backend.common.global_state; keras_vit.ViT.save (Keras' cache of its skip sets never hits).
+- Garbage collection (`collection`):
+  - `one_collection_for_deleted_variables()`: keras.src.layers.layer.Layer.__delattr__ (it runs `gc.collect`
+    for each deleted variable); keras_vit.ViT's `quantize` and the loading of a quantized ViT.
 - `model.fit` under MultiWorkerMirroredStrategy (`multi_worker`):
   - `patch_keras_for_multi_worker_fit()`: keras.src.backend.tensorflow.trainer
     (`TensorFlowTrainer._maybe_symbolic_build`, `reduce_per_replica`, `_collective_all_reduce_multi_worker`,
@@ -47,7 +50,8 @@ RuntimeError) naming the API, the versions it was written for and the versions i
 something else. The two probes, `onednn_enabled` and `in_xla_context`, answer False instead: for the kernels
 layer the plain path is correct everywhere, only slower; RandAugment applied inside an XLA-compiled function
 would then fail to compile (rotate, shear, translate) or draw other numbers, which its canary catches first.
-`keep_saving_skipsets` does nothing instead: saves stay correct, at Keras' own cost.
+`keep_saving_skipsets` and `one_collection_for_deleted_variables` do nothing instead: saves and quantizing stay
+correct, at Keras' own cost.
 
 `api_problems(entry)` lists what an entry relies on that the installed versions lack ([] when all is there);
 the canaries assert it is empty.
@@ -64,6 +68,7 @@ from keras_vit.compat.apis import (
     api_problems,
     installed_versions,
 )
+from keras_vit.compat.collection import one_collection_for_deleted_variables
 from keras_vit.compat.graphs import convert_variables_to_constants, grappler_op_types
 from keras_vit.compat.multi_worker import multi_worker_fit_patched, patch_keras_for_multi_worker_fit
 from keras_vit.compat.optimizers import ClipAfterAllReduce, LearningRateScales, swap_moving_average
@@ -84,6 +89,7 @@ ENTRIES = (
     "update_metrics_stateless",
     "build_for_fit",
     "keep_saving_skipsets",
+    "one_collection_for_deleted_variables",
     "patch_keras_for_multi_worker_fit",
 )
 
@@ -102,6 +108,7 @@ __all__ = [
     "installed_versions",
     "keep_saving_skipsets",
     "multi_worker_fit_patched",
+    "one_collection_for_deleted_variables",
     "onednn_enabled",
     "patch_keras_for_multi_worker_fit",
     "swap_moving_average",
