@@ -154,3 +154,40 @@ def test_resolve_jit_compile_asks_the_platform_policy(monkeypatch):
             patch.setattr(policy, "default_device", lambda backend=None, kind=kind: kind)
             assert [resolve_jit_compile("auto", *case) for case in cases] == [True] * 4
     assert [resolve_jit_compile("auto", *case) for case in cases] == on_cpu
+
+
+@pytest.mark.parametrize("strategy", ["none", pytest.param("two_replicas", marks=pytest.mark.environment("two_cpus"))])
+def test_fit_builds_the_optimizer_before_tracing_the_step_and_trains_as_keras_fit(strategy, request):
+    """On TensorFlow, ViT.fit builds an unbuilt optimizer eagerly (in Keras' fit, without a strategy, it is
+    built inside the first trace of the step); the weights after fit are Keras' fit's, bit for bit."""
+    import contextlib
+
+    import tensorflow as tf
+
+    from keras_vit import TrainingSteps, build_vit
+    from keras_vit.testing import random_images
+
+    replicas = request.getfixturevalue("two_replicas") if strategy != "none" else None
+    images, labels = random_images((8, 16, 16, 3)), np.arange(8) % 3
+    trained = {}
+    for name in ("ours", "keras"):
+        keras.utils.set_random_seed(3)
+        with replicas.scope() if replicas else contextlib.nullcontext():
+            model = build_vit("testing", image_size=16, num_classes=3, patch_size=4)
+            model.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="sparse_categorical_crossentropy")
+        made = []
+
+        def creator(next_creator, made=made, **kwargs):
+            made.append(tf.inside_function())
+            return next_creator(**kwargs)
+
+        fit = model.fit if name == "ours" else super(TrainingSteps, model).fit
+        with tf.variable_creator_scope(creator):
+            fit(images, labels, epochs=1, batch_size=4, shuffle=False, verbose=0)
+        trained[name] = (made, model.get_weights())
+    made, weights = trained["ours"]
+    assert len(made) >= 2 * len(weights) and not any(made)  # AdamW's two slots a weight, none in a trace.
+    if strategy == "none":
+        assert any(trained["keras"][0])  # Keras' own fit builds it in the trace: what the test is about.
+    for ours, theirs in zip(weights, trained["keras"][1]):
+        np.testing.assert_array_equal(ours, theirs)
