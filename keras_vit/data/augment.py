@@ -12,6 +12,7 @@ from keras_vit.data.header import IMAGE_MAGIC, check_jpeg, check_other_formats
 from keras_vit.data.randaugment import rand_augment
 
 
+@tf.autograph.experimental.do_not_convert  # TensorFlow ops as written: no AutoGraph rewrite at each pipeline's trace
 def random_translate(image, max_shift, seed=None):
     """Shifts one (H, W, C) image by up to `max_shift` pixels each way, zero padded; with `seed` (a shape [2]
     integer tensor) by a shift that is a function of it."""
@@ -23,6 +24,7 @@ def random_translate(image, max_shift, seed=None):
     return tf.image.random_crop(padded, tf.shape(image))
 
 
+@tf.autograph.experimental.do_not_convert
 def center_crop_resize(image, size, crop_fraction=1.0):
     """Evaluation preprocessing of one (H, W, C) image: resize, then center crop to `size`.
 
@@ -101,6 +103,7 @@ def inception_crop(image, seed, area_range=INCEPTION_AREA_RANGE):
     return tf.slice(image, begin, size)
 
 
+@tf.autograph.experimental.do_not_convert
 def decode_and_crop(encoded, seed, area_range=INCEPTION_AREA_RANGE, limits=None, *, messages=True):
     """Encoded image bytes -> the uint8 (h, w, 3) Inception crop `inception_crop` takes with the same seed.
 
@@ -127,6 +130,7 @@ def decode_and_crop(encoded, seed, area_range=INCEPTION_AREA_RANGE, limits=None,
     return tf.cond(tf.strings.substr(encoded, 0, 3) == IMAGE_MAGIC["JPEG"], jpeg, other)
 
 
+@tf.autograph.experimental.do_not_convert
 def resize_flip(image, seed, size, *, flip=True):
     """Resizes one (h, w, 3) image to `size` (bilinear, antialiased) and flips it horizontally with probability
     1/2, drawn from `seed` (an int32 pair).  Returns uint8 (H, W, 3)."""
@@ -137,6 +141,7 @@ def resize_flip(image, seed, size, *, flip=True):
     return tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8)
 
 
+@tf.autograph.experimental.do_not_convert
 def crop_flip_resize(image, seed, size, *, crop=True, flip=True, area_range=INCEPTION_AREA_RANGE):
     """Training augmentation of one (H, W, 3) image: `inception_crop`, resize to `size`, horizontal flip.
 

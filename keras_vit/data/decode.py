@@ -14,6 +14,7 @@ from absl import logging
 from keras_vit.data.header import check_image
 
 
+@tf.autograph.experimental.do_not_convert  # TensorFlow ops as written: no AutoGraph rewrite at each pipeline's trace
 def decode_image(encoded, limits=None, *, messages=True):
     """Encoded JPEG, PNG, GIF, BMP or WebP bytes -> uint8 (H, W, 3), within `limits`.
 
