@@ -596,6 +596,7 @@ def test_the_training_pipeline_caches_encoded_bytes_and_augments_every_epoch_ane
     assert not np.array_equal(np.sort(second.numpy(), 0), np.sort(third.numpy(), 0))
 
 
+@pytest.mark.slow  # five training pipelines with RandAugment's graph: 6-9 s on 2 cores
 def test_randaugment_in_the_training_pipeline_is_seeded_per_image(tmp_path):
     source = vit_data.load_folder(write_photos(tmp_path / "photos", count=8), test_fraction=0.25)
     calls = []

@@ -335,6 +335,7 @@ def test_tensorboard_gets_the_confusion_matrix_and_rollouts_each_epoch(tmp_path)
     assert np.all(side_by_side[:, :, 16:] <= images[:3])
 
 
+@pytest.mark.slow  # three fits: 8-11 s on 2 cores
 def test_tensorboard_writes_what_keras_writes_without_a_summary_call_a_step_unless_a_writer_records_them(
     tmp_path, monkeypatch
 ):

@@ -68,7 +68,9 @@ def test_the_in_memory_pipelines_run_without_the_autotuner_and_split_by_example(
         assert len(batches(ds, 2)) == 2, name
 
 
-@pytest.mark.parametrize("kind", ["folder", "cached folder", "tfds"])
+# The cached and TFDS forms (5-7 s each on 2 cores) in the full suite only; the fast tier keeps the folder's.
+@pytest.mark.parametrize("kind", ["folder", pytest.param("cached folder", marks=pytest.mark.slow),
+                                  pytest.param("tfds", marks=pytest.mark.slow)])
 def test_an_image_pipeline_started_where_it_was_gives_the_batches_the_whole_one_gives_there(tmp_path, kind):
     """The training pipeline of an image folder (read as listed, or its bytes kept) or a TFDS set, with bad
     files among the good: started again at the position recorded after step k, it gives the batches the
@@ -143,7 +145,8 @@ def fit_from(model, folder, step, extra=(), epochs=3):
     return backup, stop, None
 
 
-@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
+# SIGINT in the full suite only; the fast tier keeps SIGTERM, a preempted VM's.
+@pytest.mark.parametrize("number", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_signal_stops_fit_after_the_step_with_a_backup_and_a_resumed_run_ends_as_the_whole_one(tmp_path, number):
     check_signal_and_resume(tmp_path, number)
 
