@@ -82,9 +82,9 @@ class TrainingSteps:
         """Keras' `fit`; on TensorFlow, an optimizer not built yet is built first, outside the traced step.
 
         Without a `tf.distribute` strategy Keras builds it inside the first trace of the training step, where
-        each of its variables (two per weight for Adam) is created with an initializer function of its own: 4.2 s
-        for AdamW on ViT-B/16 against 0.6 s built eagerly, on 2 cores.  The variables are the same (built under
-        the model's strategy scope, as Keras builds them under a strategy).
+        each of its variables (two per weight for Adam) is created with an initializer function of its own, several
+        times slower than built eagerly (docs/performance.md).  The variables are the same (built under the
+        model's strategy scope, as Keras builds them under a strategy).
         """
         optimizer = getattr(self, "optimizer", None)
         if keras.backend.backend() == "tensorflow" and optimizer is not None and not optimizer.built:

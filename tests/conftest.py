@@ -237,7 +237,7 @@ def pytest_sessionstart(session):
 def pytest_collection_finish(session):
     """What the test modules' imports made (TensorFlow's, Keras' and the library's modules, functions and
     classes) lives as long as the process: moved out of reach of the garbage collector's full passes, which
-    would otherwise walk it each time (about 8% of test_model.py's time on 2 cores)."""
+    would otherwise walk it each time."""
     import gc
 
     gc.collect()
