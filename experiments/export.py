@@ -12,7 +12,9 @@ folder, an .npz), exported with the weights' own resize, crop and label names.
 --format: saved_model (signatures `serving_images`, `serving_bytes` and
 `serving_default`: the first, or with --default_signature=bytes encoded
 `image_bytes` and a passthrough `key`, as Vertex AI and TF Serving's REST API
-send them; TF Serving's warmup requests unless --nowarmup), tflite
+send them; TF Serving's warmup requests unless --nowarmup; --precision:
+float32, bfloat16 or int8, what it computes in on CPUs, by default the
+model's own), tflite
 (--quantize: none, float16, dynamic, int8) or onnx.  int8 is calibrated on
 the digits training images when the model takes digits-sized images,
 otherwise on --calibration_images (an .npy file of NHWC pixels).
@@ -52,6 +54,10 @@ def define_flags():
             "SavedModel: what serving_default takes, uint8 images or encoded image_bytes with a key.",
         ),
         "warmup": flags.DEFINE_bool("warmup", True, "SavedModel: write TF Serving's warmup requests."),
+        "precision": flags.DEFINE_enum(
+            "precision", None, list(export.PRECISIONS),
+            "SavedModel: what it computes in on CPUs (default: the model's own; docs/export.md).",
+        ),
         "max_pixels": flags.DEFINE_integer(
             "max_pixels", ImageLimits.max_pixels, "serving_bytes: the most pixels (width x height) decoded."
         ),
@@ -109,21 +115,23 @@ def run_artefact(kind, path, images):
 
 def export_and_check(
     model, kind, out, *, quantize=None, calibration=None, class_names=None, image_limits=None, overwrite=False,
-    default_signature="images", warmup=True,
+    default_signature="images", warmup=True, precision=None,
 ):
     """Exports `model` as `kind` ("saved_model", "tflite" or "onnx") to `out`, then runs the artefact on 100
     sample images (`sample_images`) and compares it with the Keras model.
 
     `calibration` (images) calibrates int8 TFLite, by default the sample
-    images; `default_signature` and `warmup` are the SavedModel's.  Returns
+    images; `default_signature`, `warmup` and `precision` are the SavedModel's.  Returns
     (path written, largest |logit difference|, top-1 agreement) and prints
     them with the artefact's size.
     """
+    if precision is not None and kind != "saved_model":
+        raise ValueError(f"--precision is the SavedModel's; for {kind} see --quantize. Received: {precision!r}")
     images = sample_images(model, 100)
     if kind == "saved_model":
         path = export.export_saved_model(
             model, out, class_names=class_names, image_limits=image_limits, default_signature=default_signature,
-            warmup=warmup, overwrite=overwrite,
+            warmup=warmup, precision=precision, overwrite=overwrite,
         )
     elif kind == "tflite":
         path = export.export_tflite(
@@ -168,6 +176,7 @@ def main(cli):
         overwrite=cli.overwrite.value,
         default_signature=cli.default_signature.value,
         warmup=cli.warmup.value,
+        precision=cli.precision.value,
     )
 
 

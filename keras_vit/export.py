@@ -14,7 +14,9 @@ into a serving stack with no preprocessing code of ours:
   `logits`, `probabilities`, `top_k` (class indices) and `top_k_probabilities`,
   plus `top_k_names` when class names are given.  TF Serving's warmup
   requests come with it.  Load it with plain `tf.saved_model.load` or as
-  `keras.layers.TFSMLayer`.
+  `keras.layers.TFSMLayer`.  `precision` picks what the CPU computes in:
+  float32, bfloat16 (oneDNN's bfloat16 matmuls where the CPU has AMX or
+  AVX512-BF16) or int8 (oneDNN's int8 matmuls; docs/export.md).
 - `export_tflite`: builtin ops only (conversion fails rather than falling
   back to Flex/Select TF ops), float32, float16, dynamic-range or full-integer
   quantisation; run it with `ai_edge_litert.interpreter.Interpreter`.
@@ -22,6 +24,7 @@ into a serving stack with no preprocessing code of ours:
   onnxruntime.
 """
 
+import contextlib
 import os
 import tempfile
 
@@ -29,7 +32,7 @@ import numpy as np
 
 from keras_vit.data.header import as_image_limits
 from keras_vit.files import atomic_path, write_bytes_atomically
-from keras_vit.kernels import portable_ops
+from keras_vit.kernels import cpu_serving, portable_ops
 from keras_vit.prediction import (
     LABELS_FILE,
     fixed_image_shape,
@@ -42,6 +45,8 @@ from keras_vit.requirements import import_tensorflow
 tf = import_tensorflow("keras_vit.export")
 
 QUANTIZATIONS = (None, "float16", "dynamic", "int8")
+# What a SavedModel computes in (`export_saved_model(precision=...)`).
+PRECISIONS = ("float32", "bfloat16", "int8")
 
 
 class ExportError(RuntimeError):
@@ -108,6 +113,7 @@ def export_saved_model(
     image_limits=None,
     default_signature="images",
     warmup=True,
+    precision=None,
     overwrite=False,
 ):
     """Writes a SavedModel (local or gs://) with its serving signatures.
@@ -174,6 +180,7 @@ def export_saved_model(
     broken = [name for name in class_names or () if "\n" in name or "\r" in name]
     if broken:
         raise ValueError(f"Class names must be one line each (assets/labels.txt); these are not: {broken[:3]!r}")
+    model, for_cpu = model_in_precision(model, precision)
     path = _check_destination(path, overwrite)
     decode = image_decoder(limits, channels, preprocessing, (height, width), crop_fraction)
     image_shape = [None, *((None, None) if is_dynamic(model) else (height, width)), channels]
@@ -213,7 +220,7 @@ def export_saved_model(
         keyed = [tf.TensorSpec([None], tf.string, name="image_bytes"), tf.TensorSpec([None], tf.string, name="key")]
         endpoints["serving_default"] = (serve_keyed_bytes, keyed)
     with atomic_path(path) as temporary:
-        _write_saved_model(model, temporary, endpoints)
+        _write_saved_model(model, temporary, endpoints, for_cpu=for_cpu)
         if class_names is not None:
             _write_labels(temporary, class_names)
         if warmup:
@@ -306,20 +313,54 @@ class _ServingModule(tf.Module):
         self.trainable_variables = [v.value for v in model.trainable_variables]
 
 
-def _write_saved_model(model, path, endpoints):
+def _quantization_modes(model):
+    return {mode for layer in model._flatten_layers() if (mode := getattr(layer, "quantization_mode", None))}
+
+
+def model_in_precision(model, precision=None):
+    """(the model to trace for `precision`, whether to trace it for CPUs with oneDNN): `model` itself in its
+    own precision, else a copy in bfloat16 or quantized to int8; a ValueError for what cannot be made."""
+    modes = _quantization_modes(model)
+    own = "int8" if modes == {"int8"} else None if modes else "float32"
+    if precision is None:
+        precision = own or "its own"
+    elif precision not in PRECISIONS:
+        raise ValueError(f"`precision` must be one of {PRECISIONS}. Received: precision={precision!r}")
+    if precision == own or precision == "its own":
+        return model, precision in ("bfloat16", "int8")
+    if modes:
+        raise ValueError(
+            f"The model is quantized ({', '.join(sorted(modes))}); precision={precision!r} needs the float model "
+            "it was quantized from."
+        )
+    if not hasattr(model, "spec"):
+        raise ValueError(
+            f"precision={precision!r} needs a keras_vit.ViT (a copy of it is made in that precision). "
+            f"Received: a {type(model).__name__}"
+        )
+    config = model.get_config()
+    copy = type(model).from_config({**config, "dtype": "bfloat16"} if precision == "bfloat16" else config)
+    copy.set_weights(model.get_weights())
+    if precision == "int8":
+        copy.quantize("int8")
+    return copy, True
+
+
+def _write_saved_model(model, path, endpoints, for_cpu=False):
     """Saves `endpoints` ({name: (function, [input specs])}) as signatures over the model's variables.
 
     A tf.Module holding the variables once: Keras's ExportArchive (keras 3.15)
     writes every variable twice, doubling the SavedModel's size.  Traced with
-    `portable_ops()`, so the graph runs on any device and converts to TFLite.
-    Each signature is saved from its tf.function, so that a tensor default of
+    `portable_ops()`, so the graph runs on any device and converts to TFLite;
+    `for_cpu`: with `cpu_serving()`, the forms for TensorFlow's oneDNN CPU
+    kernels (a bfloat16 or int8 model).  Each signature is saved from its tf.function, so that a tensor default of
     an argument becomes the SignatureDef's default for that input.  Two names
     given the same (function, specs) share one traced function.
     """
     module = _ServingModule(model)
     traced = {}
     signatures = {}
-    with portable_ops():
+    with portable_ops(), (cpu_serving() if for_cpu else contextlib.nullcontext()):
         for name, (function, specs) in endpoints.items():
             if function not in traced:
                 traced[function] = tf.function(function, input_signature=specs)

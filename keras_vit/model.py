@@ -46,7 +46,7 @@ import keras
 from keras_vit import compat
 from keras_vit import layers as vit_layers
 from keras_vit.layers.common import register
-from keras_vit.layers.core import make_norm
+from keras_vit.layers.core import Dense, make_norm
 from keras_vit.layers.quantization import Int8Kernels
 from keras_vit.resnet import ResNetStem
 from keras_vit.spec import CLASSIFIERS, POSITION_EMBEDDINGS, ViTSpec, pixel_statistics
@@ -463,14 +463,14 @@ def _graph(spec, dtype=None, shared=None):
     if spec.pooled_norm:
         x = layer("pooled_norm", make_norm, spec.norm, epsilon, **policy)(x)
     if spec.representation_size:
-        x = layer("pre_logits", keras.layers.Dense, spec.representation_size, activation="tanh", **policy)(x)
+        x = layer("pre_logits", Dense, spec.representation_size, activation="tanh", **policy)(x)
     if spec.num_classes:
         # float32 logits under any policy: softmax and the loss need the range.
         initializer = keras.initializers.get(spec.head_kernel_initializer)  # A name or a config.
-        x = layer("head", keras.layers.Dense, spec.num_classes, kernel_initializer=initializer, dtype="float32")(x)
+        x = layer("head", Dense, spec.num_classes, kernel_initializer=initializer, dtype="float32")(x)
         if spec.distillation == "head":
             distilled = layer("distillation_pooling", vit_layers.TokenPooling, "token", skip=1, **policy)(tokens)
-            distilled = layer("head_distillation", keras.layers.Dense, spec.num_classes,
+            distilled = layer("head_distillation", Dense, spec.num_classes,
                               kernel_initializer=initializer, dtype="float32")(distilled)  # fmt: skip
             x = layer("distilled_logits", keras.layers.Average, dtype="float32")([x, distilled])
     return images, x

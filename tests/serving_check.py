@@ -4,7 +4,9 @@
 
 JOBS.json: a list of [KIND, ARTEFACT, INPUTS.npz, OUTPUTS.npz], served one
 after the other in this process.  KIND: saved_model (both signatures, plain
-tf.saved_model.load), tfsmlayer (keras.layers.TFSMLayer), tflite
+tf.saved_model.load), saved_model_keyed (one exported with the keyed bytes
+default: its three signatures, and its warmup requests replayed where
+tensorflow_serving's protos import), tfsmlayer (keras.layers.TFSMLayer), tflite
 (ai_edge_litert), onnx (onnxruntime).  INPUTS.npz holds `images` (uint8
 NHWC) and, for saved_model, `encoded` (encoded image bytes).  Writes each
 job's outputs to its OUTPUTS.npz and fails if keras_vit was imported.
@@ -33,6 +35,33 @@ def run_saved_model(path, inputs):
             outputs["bad_request_error"] = np.array(error.message)
         again = loaded.signatures["serving_default"](images=tf.constant(inputs["images"]))
         outputs["after_error_logits"] = again["logits"].numpy()
+    return outputs
+
+
+def run_saved_model_keyed(path, inputs):
+    import tensorflow as tf
+
+    loaded = tf.saved_model.load(path)
+    encoded = tf.constant(list(inputs["encoded"]))
+    keys = tf.constant([f"request-{i}" for i in range(len(inputs["encoded"]))])
+    outputs = {
+        "images_logits": loaded.signatures["serving_images"](images=tf.constant(inputs["images"]))["logits"],
+        "bytes_logits": loaded.signatures["serving_bytes"](encoded=encoded)["logits"],
+    }
+    keyed = loaded.signatures["serving_default"](image_bytes=encoded, key=keys)
+    outputs.update(keyed_logits=keyed["logits"], keyed_key=keyed["key"])
+    outputs = {name: value.numpy() for name, value in outputs.items()}
+    try:
+        from tensorflow_serving.apis import prediction_log_pb2
+    except ImportError:
+        return outputs
+    replayed = []
+    for record in tf.data.TFRecordDataset(f"{path}/assets.extra/tf_serving_warmup_requests").as_numpy_iterator():
+        request = prediction_log_pb2.PredictionLog.FromString(record).predict_log.request
+        feeds = {alias: tf.constant(tf.make_ndarray(tensor)) for alias, tensor in request.inputs.items()}
+        logits = loaded.signatures[request.model_spec.signature_name](**feeds)["logits"].numpy()
+        replayed.append(request.model_spec.signature_name if np.isfinite(logits).all() else "not finite")
+    outputs["warmup_replayed"] = np.array(sorted(replayed))
     return outputs
 
 
@@ -71,7 +100,13 @@ def run_onnx(path, inputs):
     return {"logits": session.run(None, {name: inputs["images"].astype(np.float32)})[0]}
 
 
-RUNNERS = {"saved_model": run_saved_model, "tfsmlayer": run_tfsmlayer, "tflite": run_tflite, "onnx": run_onnx}
+RUNNERS = {
+    "saved_model": run_saved_model,
+    "saved_model_keyed": run_saved_model_keyed,
+    "tfsmlayer": run_tfsmlayer,
+    "tflite": run_tflite,
+    "onnx": run_onnx,
+}
 
 
 def main(jobs_path):

@@ -23,7 +23,7 @@ JOB_FLAGS = {
     "transfer": ["config", "workdir"],
     "export": [
         "calibration_images", "class_names", "default_signature", "format", "max_aspect_ratio", "max_pixels", "model",
-        "out", "overwrite", "pretrained", "quantize", "warmup",
+        "out", "overwrite", "precision", "pretrained", "quantize", "warmup",
     ],
     "predict": ["batch_size", "crop_fraction", "images", "max_aspect_ratio", "max_pixels", "model", "out", "top_k"],
     "visualize": ["image", "model", "out"],

@@ -1,6 +1,8 @@
 """Exported artefacts, each run in a process that never imports keras_vit."""
 
+import collections
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -21,9 +23,9 @@ from keras_vit.testing import random_images, randomize_weights
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def serve_all(jobs, folder):
+def serve_all(jobs, folder, env=None):
     """{name: (kind, artefact, inputs)} served one after the other in one fresh interpreter that never imports
-    keras_vit (tests/serving_check.py); returns {name: outputs}."""
+    keras_vit (tests/serving_check.py), with `env` added to its environment; returns {name: outputs}."""
     folder.mkdir(parents=True, exist_ok=True)
     listed = []
     for name, (kind, artefact, inputs) in jobs.items():
@@ -32,7 +34,8 @@ def serve_all(jobs, folder):
     (folder / "jobs.json").write_text(json.dumps(listed))
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "serving_check.py"), str(folder / "jobs.json")],
-        capture_output=True, text=True, timeout=600, env={"TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=600,
+        env={"TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin", **(env or {})},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return {name: dict(np.load(folder / f"{name}_outputs.npz", allow_pickle=False)) for name in jobs}
@@ -111,6 +114,121 @@ def digits_exports(digits_model, tmp_path_factory):
     }  # fmt: skip
     served = serve_all(jobs, folder)
     return {name: (path, inputs, served[name]) for name, (_, path, inputs) in jobs.items()}
+
+
+@pytest.fixture(scope="module")
+def precision_exports(digits_model, tmp_path_factory):
+    """The trained model as bfloat16 and int8 SavedModels, and a copy quantized by Keras exported as it is, each
+    with the keyed bytes default, served in one process; the bfloat16 one also where TensorFlow runs no oneDNN:
+    (inputs, {name: path}, {name: outputs})."""
+    model, dataset = digits_model
+    folder = tmp_path_factory.mktemp("precision_exports")
+    quantized = keras_vit.ViT.from_config(model.get_config())
+    quantized.set_weights(model.get_weights())
+    quantized.quantize("int8")
+    paths = {
+        "bfloat16": export.export_saved_model(model, folder / "bf16", precision="bfloat16", default_signature="bytes"),
+        "int8": export.export_saved_model(model, folder / "int8", precision="int8", default_signature="bytes"),
+        "keras_int8": export.export_saved_model(quantized, folder / "keras_int8", default_signature="bytes"),
+    }
+    images = dataset.test.images
+    inputs = {"images": images, "encoded": np.array([tf.io.encode_png(image).numpy() for image in images[:20]])}
+    served = serve_all({name: ("saved_model_keyed", path, inputs) for name, path in paths.items()}, folder)
+    elsewhere = serve_all({"bfloat16": ("saved_model_keyed", paths["bfloat16"], inputs)}, folder / "no_onednn",
+                          env={"TF_ENABLE_ONEDNN_OPTS": "0"})  # fmt: skip
+    served["bfloat16_no_onednn"] = elsewhere["bfloat16"]
+    return inputs, paths, served
+
+
+def serving_ops(path):
+    """{op type: count} in the function of a SavedModel's `serving_images` signature (its forward pass)."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved = saved_model_pb2.SavedModel.FromString((pathlib.Path(path) / "saved_model.pb").read_bytes())
+    functions = [f for f in saved.meta_graphs[0].graph_def.library.function
+                 if f.signature.name.startswith("__inference_serve_images")]  # fmt: skip
+    assert len(functions) == 1, [f.signature.name for f in functions]
+    return collections.Counter(node.op for node in functions[0].node_def)
+
+
+# How far a precision's logits may be from float32's, as a fraction of the float32 logits' largest magnitude:
+# bfloat16 keeps 8 significant bits (a relative rounding of 2**-9 per value, the matmuls accumulating in
+# float32); int8 rounds weights to 127 levels per column and activations to 255 levels per tensor.
+PRECISION_TOLERANCE = {"bfloat16": 0.05, "int8": 0.05}
+
+
+@pytest.mark.slow
+def test_bfloat16_and_int8_saved_models_agree_with_float32(digits_model, precision_exports):
+    model, dataset = digits_model
+    inputs, paths, served = precision_exports
+    expected = model.predict(inputs["images"], verbose=0)
+    assert (expected.argmax(-1) == dataset.test.labels).mean() > 0.9  # a trained model
+    scale = np.abs(expected).max()
+    for name, precision in (("bfloat16", "bfloat16"), ("int8", "int8"), ("keras_int8", "int8"),
+                            ("bfloat16_no_onednn", "bfloat16")):  # fmt: skip
+        out = served[name]
+        difference = np.abs(out["images_logits"] - expected).max() / scale
+        agreement = (out["images_logits"].argmax(-1) == expected.argmax(-1)).mean()
+        assert difference <= PRECISION_TOLERANCE[precision], (name, difference)
+        assert agreement >= 0.98, (name, agreement)
+        # The same pixels as PNGs, and with keys: the same logits; the keys come back as sent. int8's activations
+        # are quantized over the whole batch (one range per tensor): a batch of 20 and one of all gives each image
+        # logits within the tolerance, not the same ones.
+        same = 1e-5 if name.startswith("bfloat16") else PRECISION_TOLERANCE["int8"]
+        np.testing.assert_allclose(out["bytes_logits"], out["images_logits"][:20], rtol=0, atol=same * scale,
+                                   err_msg=name)  # fmt: skip
+        np.testing.assert_allclose(out["keyed_logits"], out["bytes_logits"], rtol=0, atol=1e-5 * scale)
+        assert list(out["keyed_key"].astype(str)) == [f"request-{i}" for i in range(20)]
+        if "warmup_replayed" in out or os.environ.get("CI", "").lower() in ("true", "1"):
+            assert list(out["warmup_replayed"].astype(str)) == ["serving_bytes", "serving_default", "serving_images"]
+    # Without oneDNN the bfloat16 model computes what it computes with it, within bfloat16's rounding.
+    np.testing.assert_allclose(served["bfloat16_no_onednn"]["images_logits"], served["bfloat16"]["images_logits"],
+                               rtol=0, atol=0.05 * scale)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_keras_quantized_model_exports_to_onednn_int8_matmuls(precision_exports):
+    _, paths, served = precision_exports
+    # Two blocks of four weight matmuls (query-key-value, output, the MLP's two) and the head: all oneDNN's int8;
+    # the patch embedding (a convolution) and the attention's two batched matmuls per block stay float32.
+    for name in ("int8", "keras_int8"):
+        ops = serving_ops(paths[name])
+        assert ops["QuantizedMatMulWithBiasAndDequantize"] == 9, (name, ops)
+        assert not {"MatMul", "BatchMatMulV3"} & set(ops) and ops["BatchMatMulV2"] == 4, (name, ops)
+    bfloat16 = serving_ops(paths["bfloat16"])
+    assert "QuantizedMatMulWithBiasAndDequantize" not in bfloat16 and bfloat16["MatMul"] == 9, bfloat16
+    # The same weights, quantized the same way (abs-max per column): the same SavedModel's arithmetic.
+    np.testing.assert_array_equal(served["keras_int8"]["images_logits"], served["int8"]["images_logits"])
+    # The weights as stored: int8 kernels (and float32 scales, norms and biases) take less than bfloat16 ones.
+    sizes = {name: sum(f.stat().st_size for f in (pathlib.Path(path) / "variables").iterdir())
+             for name, path in paths.items()}  # fmt: skip
+    assert sizes["int8"] < sizes["bfloat16"], sizes
+
+
+def test_saved_model_precisions_are_checked(small_model, tmp_path):
+    with pytest.raises(ValueError, match=r"`precision` must be one of \('float32', 'bfloat16', 'int8'\). Received: "
+                       "precision='int4'"):  # fmt: skip
+        export.export_saved_model(small_model, tmp_path / "a", precision="int4")
+    inputs = keras.Input((32, 32, 3))
+    plain = keras.Model(inputs, keras.layers.Dense(4)(keras.layers.GlobalAveragePooling2D()(inputs)))
+    with pytest.raises(ValueError, match="precision='bfloat16' needs a keras_vit.ViT.*Received: a Functional"):
+        export.export_saved_model(plain, tmp_path / "b", precision="bfloat16")
+    quantized = keras_vit.ViT.from_config(small_model.get_config())
+    quantized.quantize("int8")
+    with pytest.raises(ValueError, match=r"The model is quantized \(int8\); precision='bfloat16' needs the float"):
+        export.export_saved_model(quantized, tmp_path / "c", precision="bfloat16")
+    with pytest.raises(ValueError, match="--precision is the SavedModel's"):
+        from experiments import export as export_job
+
+        export_job.export_and_check(small_model, "tflite", str(tmp_path / "d.tflite"), precision="int8")
+    assert not any(tmp_path.iterdir())
+    # Each precision of the same model, its float32 the model itself; the float model is left as it was.
+    weights = small_model.get_weights()
+    for precision in export.PRECISIONS:
+        copy, for_cpu = export.model_in_precision(small_model, precision)
+        assert (copy is small_model) == (precision == "float32") and for_cpu == (precision != "float32")
+    assert all(np.array_equal(a, b) for a, b in zip(weights, small_model.get_weights()))
+    assert small_model.get_layer("patch_encoder").dtype_policy.name == "float32"
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ def test_the_layers_hold_no_backend_or_device_specific_code():
 def test_the_kernels_keep_no_module_level_state():
     """Nothing in `keras_vit.kernels` is remembered between traces: no module holds a mutable
     container or a function cache; the switches are context variables, set and restored by
-    `portable_ops()` and `fused_attention()`."""
+    `portable_ops()`, `fused_attention()` and `cpu_serving()`."""
     import contextvars
     import importlib
 
@@ -82,7 +82,10 @@ def test_the_kernels_keep_no_module_level_state():
             assert not hasattr(value, "cache_info"), f"{name}.{key} is a cached function"
             if isinstance(value, contextvars.ContextVar):
                 context_variables.append(f"{name}.{key}")
-    assert context_variables == ["keras_vit.kernels.policy._PORTABLE", "keras_vit.kernels.policy._FUSED_ATTENTION"]
+    assert context_variables == [
+        "keras_vit.kernels.policy._PORTABLE", "keras_vit.kernels.policy._FUSED_ATTENTION",
+        "keras_vit.kernels.policy._CPU_SERVING",
+    ]  # fmt: skip
 
 
 # === Reference forms against NumPy ===

@@ -23,6 +23,8 @@ places:
     gradient written out (`tf_cpu`).
 - `dense`, TensorFlow: 2-D MatMul + BiasAdd (+ GELU, exact or tanh), which the
   graph optimiser fuses, for kernels of any rank (`tf_ops`).
+- `int8_dense` (Keras' int8 quantization), TensorFlow on a CPU with oneDNN,
+  inference: oneDNN's u8 x s8 matmul (`tf_cpu`).
 - `dropout`, TensorFlow on a CPU, XLA-compiled: ThreeFry masks (`tf_cpu`).
 
 The form is chosen each time an entry point is traced, from
@@ -36,7 +38,7 @@ remembered between traces.
 
 from keras_vit import compat
 from keras_vit.kernels import policy, reference
-from keras_vit.kernels.policy import current, fused_attention, portable_ops
+from keras_vit.kernels.policy import cpu_serving, current, fused_attention, portable_ops
 
 __all__ = [
     "attention",
@@ -44,7 +46,9 @@ __all__ = [
     "current",
     "dense",
     "dropout",
+    "cpu_serving",
     "fused_attention",
+    "int8_dense",
     "layer_norm",
     "portable_ops",
     "reference",
@@ -83,7 +87,7 @@ def attention(qkv, num_heads, *, training=False, dropout=None, return_probabilit
 
         if training:
             return tf_cpu.attention_for_training(qkv, num_heads, dropout)
-        if compat.onednn_enabled():
+        if target.onednn:
             return tf_cpu.attention_for_inference(qkv, num_heads)
     return reference.attention(qkv, num_heads, training, dropout)[0]
 
@@ -120,7 +124,7 @@ def layer_norm(x, gamma, beta, epsilon, *, training=False):
 
         if training and x.dtype == "float32":
             return tf_cpu.layer_norm_for_training(x, gamma, beta, epsilon)
-        if not training and compat.onednn_enabled():
+        if not training and target.onednn:
             return tf_cpu.layer_norm_for_inference(x, gamma, beta, epsilon)
     return reference.layer_norm(x, gamma, beta, epsilon)
 
@@ -139,6 +143,28 @@ def dense(x, kernel, bias=None, activation=None):
 
         return tf_ops.dense(x, kernel, bias, activation)
     return reference.dense(x, kernel, bias, activation)
+
+
+def int8_dense(x, kernel, kernel_scale, bias, dtype, inputs_quantizer, *, training=False):
+    """x @ kernel + bias in `dtype` with an int8 `kernel` and its per-column `kernel_scale` (Keras' int8
+    quantization: the float kernel is `kernel / kernel_scale`); `inputs_quantizer` quantizes x (Keras'
+    abs-max per token by default; None: weight-only, x times the int8 values).
+
+    TensorFlow on a CPU with oneDNN, inference, with Keras' default quantizer: oneDNN's u8 x s8 matmul, x
+    quantized per tensor (`tf_cpu.int8_dense_for_inference`); otherwise the reference form.
+    """
+    target = policy.current()
+    if (
+        target.tensorflow_cpu
+        and target.onednn
+        and not training
+        and reference.is_default_int8_quantizer(inputs_quantizer)
+        and not compat.in_xla_context()
+    ):
+        from keras_vit.kernels import tf_cpu
+
+        return tf_cpu.int8_dense_for_inference(x, kernel, kernel_scale, bias, dtype, frozen=target.cpu_serving)
+    return reference.int8_dense(x, kernel, kernel_scale, bias, dtype, inputs_quantizer)
 
 
 def check_patch_grid(images, patch_size, message):

@@ -15,10 +15,12 @@ and never remembered: a model traced on a CPU and traced again once a GPU or
 TPU is connected, or under a strategy over accelerators, gets the second
 trace's forms.
 
-Two explicit switches, for the ops traced within them on the calling thread:
+Three explicit switches, for the ops traced within them on the calling thread:
 `portable_ops()` (the reference forms, which every runtime and converter
-knows; exports trace inside it) and `fused_attention(enabled)` (force
-`keras.ops.dot_product_attention` on or off, to compare the two).
+knows; exports trace inside it), `cpu_serving()` (TensorFlow's forms for a CPU
+with oneDNN, wherever the tracing runs: the SavedModels of a CPU precision) and
+`fused_attention(enabled)` (force `keras.ops.dot_product_attention` on or off,
+to compare the two).
 
 The same platform decides whether a step is XLA-compiled (`use_xla`, what
 `keras_vit.training.resolve_jit_compile("auto")` answers), and `default_device`
@@ -41,6 +43,7 @@ DEVICES = ("cpu", "gpu", "tpu")
 # only state; nothing is remembered between traces.
 _PORTABLE = contextvars.ContextVar("keras_vit_portable_ops", default=False)
 _FUSED_ATTENTION = contextvars.ContextVar("keras_vit_fused_attention", default=None)
+_CPU_SERVING = contextvars.ContextVar("keras_vit_cpu_serving", default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,13 @@ class Target:
     device: str
     portable: bool = False
     fused_attention: bool | None = None  # None: the rule in `use_fused_attention`.
+    cpu_serving: bool = False
+
+    @property
+    def onednn(self):
+        """Whether the ops will run on TensorFlow's oneDNN CPU kernels: in this process
+        (`keras_vit.compat.onednn_enabled()`), or inside `cpu_serving()`, where a CPU that has them serves."""
+        return self.cpu_serving or (self.backend == "tensorflow" and compat.onednn_enabled())
 
     @property
     def tensorflow_cpu(self):
@@ -75,11 +85,13 @@ class Target:
 def current():
     """The `Target` of the ops traced now."""
     backend = keras.backend.backend()
+    serving = _CPU_SERVING.get() and backend == "tensorflow"
     return Target(
         backend=backend,
-        device=device(backend),
-        portable=_PORTABLE.get(),
+        device="cpu" if serving else device(backend),
+        portable=_PORTABLE.get() and not serving,
         fused_attention=_FUSED_ATTENTION.get(),
+        cpu_serving=serving,
     )
 
 
@@ -157,6 +169,13 @@ def portable_ops():
     """Kernels traced within it use their reference forms: ops that every runtime
     and converter knows (TFLite, ONNX, any device). Exports trace inside it."""
     return _switch(_PORTABLE, True)
+
+
+def cpu_serving():
+    """Kernels traced within it (TensorFlow) take their forms for inference on a CPU with oneDNN, wherever the
+    tracing runs and whether or not this process runs oneDNN: a SavedModel for TF Serving on CPUs in bfloat16 or
+    int8 (`keras_vit.export_saved_model(precision=...)`). Inside `portable_ops()` too."""
+    return _switch(_CPU_SERVING, True)
 
 
 def fused_attention(enabled):

@@ -52,6 +52,33 @@ def dense(x, kernel, bias, activation=None):
     return ACTIVATIONS[activation](y)
 
 
+def int8_dense(x, kernel, kernel_scale, bias, dtype, inputs_quantizer):
+    """x @ kernel + bias with an int8 `kernel` (its first axis contracted with x's last, its other axes those of
+    the result) and its per-column `kernel_scale` (the kernel's other axes), in `dtype`: x quantized per row
+    by `inputs_quantizer` and an int8 matmul, or (None: weight-only) x times the int8 values; then de-scaled.
+    Keras' own int8 matmul (Jacob et al. 2018, symmetric per-channel weights)."""
+    shape = tuple(kernel.shape)
+    matrix, scale = ops.reshape(kernel, (shape[0], -1)), ops.reshape(kernel_scale, (-1,))
+    if inputs_quantizer is None:
+        y = ops.divide(ops.matmul(x, ops.cast(matrix, dtype)), scale)
+    else:
+        inputs, inputs_scale = inputs_quantizer(x, axis=-1)
+        y = ops.divide(ops.cast(ops.matmul(inputs, matrix), dtype), ops.multiply(ops.cast(inputs_scale, dtype), scale))
+    if len(shape) > 2:  # (..., n * hidden) -> (..., n, hidden), as the float kernel's result.
+        y = ops.reshape(y, (*ops.shape(y)[:-1], *shape[1:]))
+    return y if bias is None else ops.add(y, ops.cast(bias, dtype))
+
+
+def is_default_int8_quantizer(quantizer):
+    """Whether `quantizer` is Keras' default for int8 activations: abs-max onto [-127, 127] (per token when
+    called with axis=-1), the quantization the fast forms may replace by their own of the same range."""
+    return (
+        type(quantizer) is keras.quantizers.AbsMaxQuantizer
+        and tuple(quantizer.value_range) == (-127, 127)
+        and quantizer.output_dtype == "int8"
+    )
+
+
 def layer_norm(x, gamma, beta, epsilon):
     """(x - mean) / sqrt(var + epsilon) * gamma + beta over the last axis, in x's dtype
     (computed in float32 at least, as `keras.layers.LayerNormalization` does)."""

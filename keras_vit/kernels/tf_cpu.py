@@ -6,6 +6,7 @@ within float32 rounding (tests/test_kernels.py). `keras_vit.kernels` picks them
 for ops traced for a CPU with TensorFlow, outside `portable_ops()`.
 """
 
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
@@ -175,3 +176,45 @@ def dropout_in_xla(x, rate, seed_generator):
     if seed.dtype != tf.int32:  # The stateless ops take int32 seeds under XLA.
         seed = tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
     return tf.nn.experimental.stateless_dropout(x, rate=rate, seed=seed, rng_alg="threefry")
+
+
+def int8_dense_for_inference(x, kernel, kernel_scale, bias, dtype, frozen=False):
+    """The reference `int8_dense` with Keras' default quantizer, through oneDNN's u8 x s8 matmul
+    (`QuantizedMatMulWithBiasAndDequantize`, VNNI or AMX instructions where the CPU has them).
+
+    oneDNN's kernel takes unsigned activations and one scale per operand, so x is quantized per tensor:
+    shifted by its minimum m (m <= 0) onto [0, max - m], rounded to 255 levels, and the shift given back
+    through the bias, m times each column's sum of the float kernel. The kernel's per-column scales leave the
+    matmul as a multiplication of its result: oneDNN sees weights of scale 1. The dequantised product differs
+    from the reference (abs-max per token) by rounding only: both are x @ kernel + bias within half an
+    activation step per term. Needs TensorFlow's oneDNN CPU kernels (a CPU without them fails to run it).
+
+    `frozen`: the kernel's column sums are read once, when traced, into the graph (for a SavedModel, whose
+    weights no longer change); otherwise summed at each call.
+    """
+    shape = tuple(kernel.shape)
+    depth = shape[0]
+    matrix = tf.bitcast(tf.reshape(kernel, (depth, -1)), tf.qint8)
+    # float kernel = int8 values / kernel_scale, column by column.
+    step = tf.reshape(1.0 / tf.cast(kernel_scale, tf.float32), (-1,))
+    rows = tf.reshape(tf.cast(x, tf.float32), (-1, depth))
+    low = tf.minimum(tf.reduce_min(rows), 0.0)
+    span = tf.maximum(tf.reduce_max(rows) - low, 1e-12)
+    quantized = tf.raw_ops.QuantizeV2(
+        input=rows - low, min_range=0.0, max_range=span, T=tf.quint8, mode="SCALED", round_mode="HALF_TO_EVEN"
+    )
+    if frozen:
+        with tf.init_scope():
+            sums = np.reshape(ops.convert_to_numpy(kernel), (depth, -1)).astype(np.float32).sum(axis=0)
+        column_sums = tf.constant(sums) * step
+    else:
+        column_sums = tf.reduce_sum(tf.cast(tf.reshape(kernel, (depth, -1)), tf.float32), axis=0) * step
+    shift = low * column_sums if bias is None else tf.reshape(tf.cast(bias, tf.float32), (-1,)) + low * column_sums
+    y = tf.raw_ops.QuantizedMatMulWithBiasAndDequantize(
+        a=quantized.output, b=matrix, bias=shift / step, min_a=quantized.output_min, max_a=quantized.output_max,
+        min_b=-127.0, max_b=127.0, min_freezed_output=-1.0, max_freezed_output=1.0, Toutput=tf.float32,
+        input_quant_mode="SCALED",
+    )  # fmt: skip
+    y = tf.cast(y * step, dtype)
+    middle = [size if size is not None else tf.shape(x)[axis] for axis, size in enumerate(x.shape[1:-1], 1)]
+    return tf.reshape(y, [-1, *middle, *shape[1:]])

@@ -60,6 +60,14 @@ class Dense(keras.layers.Dense):
         # quantized, Keras' own int8/int4/float8 call runs instead of `call`.
         super().quantize(mode, type_check=False, config=config)
 
+    def _int8_call(self, inputs, training=None):
+        # Keras' int8 call for training (its gradient) and LoRA; the matmul of `kernels.int8_dense` otherwise.
+        if training or self.lora_enabled:
+            return super()._int8_call(inputs, training=training)
+        y = kernels.int8_dense(inputs, self._kernel, self.kernel_scale, self.bias, self.compute_dtype,
+                               self.inputs_quantizer)  # fmt: skip
+        return y if self.activation is None else self.activation(y)
+
     def call(self, inputs, training=None):
         # The activations `kernels.dense` computes itself (fused with the matmul where it can).
         fused = {keras.activations.gelu: "gelu", gelu_tanh: "gelu_tanh"}.get(self.activation)

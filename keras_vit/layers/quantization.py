@@ -7,8 +7,9 @@ Keras then calls `_int8_call` instead of `call`. The attention's query-key-value
 MAP head's are such kernels (`MultiHeadSelfAttention`, `MAPHead`); the MLPs and the head are `Dense` layers,
 which Keras quantizes itself, in every mode it has.
 
-The int8 matmul is Keras' own: the inputs quantized per token (abs-max over the last axis), an int8 x int8
-matmul into int32, the result divided by both scales (Jacob et al. 2018, symmetric per-channel weights).
+The int8 matmul is `keras_vit.kernels.int8_dense`, for these layers and the `Dense` ones alike: Keras' own
+(the inputs quantized per token, abs-max over the last axis, an int8 x int8 matmul into int32, the result
+divided by both scales), or oneDNN's where TensorFlow runs it on a CPU.
 """
 
 import keras
@@ -16,22 +17,6 @@ import numpy as np
 from keras import ops
 
 from keras_vit import kernels
-
-
-def int8_dense(x, kernel, kernel_scale, bias, dtype, inputs_quantizer):
-    """x @ kernel + bias with an int8 `kernel` (its first axis contracted with x's last, its other axes those of
-    the result) and its per-column `kernel_scale` (the kernel's other axes), in `dtype`: x quantized per row
-    by `inputs_quantizer` and an int8 matmul, or (None: weight-only) x times the int8 values; then de-scaled."""
-    shape = tuple(kernel.shape)
-    matrix, scale = ops.reshape(kernel, (shape[0], -1)), ops.reshape(kernel_scale, (-1,))
-    if inputs_quantizer is None:
-        y = ops.divide(ops.matmul(x, ops.cast(matrix, dtype)), scale)
-    else:
-        inputs, inputs_scale = inputs_quantizer(x, axis=-1)
-        y = ops.divide(ops.cast(ops.matmul(inputs, matrix), dtype), ops.multiply(ops.cast(inputs_scale, dtype), scale))
-    if len(shape) > 2:  # (..., n * hidden) -> (..., n, hidden), as the float kernel's result.
-        y = ops.reshape(y, (*ops.shape(y)[:-1], *shape[1:]))
-    return y if bias is None else ops.add(y, ops.cast(bias, dtype))
 
 
 class Int8Kernels:
@@ -76,8 +61,8 @@ class Int8Kernels:
     def project(self, x, name, bias):
         """x @ kernel `name` + bias: `kernels.dense` in float, the int8 matmul once quantized."""
         if self.quantization_mode == "int8":
-            return int8_dense(x, getattr(self, name), getattr(self, f"{name}_scale"), bias, self.compute_dtype,
-                              self.inputs_quantizer)  # fmt: skip
+            return kernels.int8_dense(x, getattr(self, name), getattr(self, f"{name}_scale"), bias,
+                                      self.compute_dtype, self.inputs_quantizer)  # fmt: skip
         return kernels.dense(x, getattr(self, name), bias)
 
     def build_quantized(self):
