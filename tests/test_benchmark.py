@@ -26,7 +26,9 @@ from tests.conftest import ROOT, run_module
 
 MODULES = ["experiments.benchmark"] + [
     f"experiments.benchmark.{name}"
-    for name in ("cli", "timing", "throughput", "attention", "profiling", "serving", "inputs", "results", "tables")
+    for name in (
+        "cli", "timing", "throughput", "attention", "profiling", "serving", "peaks", "inputs", "results", "tables"
+    )  # fmt: skip
 ]
 TINY = ["--variant=testing", "--image_size=32", "--batch_size=2", "--repeats=2"]
 
@@ -246,6 +248,9 @@ def test_the_input_table_shows_each_form_and_the_comparisons_of_the_last_input_r
 # === The modes, run ===
 
 
+EXTRA_FLAGS = {"infer": ["--steps=2"], "train": ["--steps=2"], "serving": ["--serving_batches=1,2", "--threads=2"]}
+
+
 @pytest.fixture(scope="module")
 def tensorflow_runs(tmp_path_factory):
     """Every TensorFlow mode on the testing variant, one after the other in one process, each but
@@ -254,8 +259,8 @@ def tensorflow_runs(tmp_path_factory):
     # train_profile first, with no row: it asks XLA to name its ops to the profiler, which XLA reads when it
     # first compiles.
     runs = [["--mode=train_profile", *TINY]] + [
-        [f"--mode={mode}", *TINY, *(["--steps=2"] if mode in ("infer", "train") else []), f"--results_file={path}"]
-        for mode in ("infer", "train", "attention", "patch_projection", "profile", "serving")
+        [f"--mode={mode}", *TINY, *EXTRA_FLAGS.get(mode, []), f"--results_file={path}"]
+        for mode in ("infer", "train", "attention", "patch_projection", "profile", "serving", "peaks")
     ]
     outputs, _ = run_benchmarks(runs)
     return {args[0].removeprefix("--mode="): outputs[" ".join(args)] for args in runs}, results.read_rows(path), first
@@ -269,8 +274,23 @@ def test_benchmark_runs(tensorflow_runs):
     # where TensorFlow is built with it, else Eigen's.
     fused_matmul = "_MklNativeFusedMatMul" if compat.onednn_enabled() else "_FusedMatMul"
     assert re.search(rf"{fused_matmul}\s+[\d.]+ ms", outputs["profile"]), outputs["profile"]
-    for name in ("saved_model", "tflite float32", "tflite float16", "tflite dynamic", "tflite int8"):
-        assert name in outputs["serving"]
+    serving = outputs["serving"]
+    for batch in (1, 2):
+        table = serving.split(f"batch {batch}:", 1)[1].split("batch", 1)[0]
+        for name in ("saved_model", "saved_model bfloat16", "saved_model int8", "tflite float32", "tflite float16",
+                     "tflite dynamic", "tflite int8"):
+            # Each artefact's size, latency, ratio to the Keras model and share of its runtime's matmul peak.
+            row = re.search(rf"^  {name} +[\d.]+ +[\d.]+ +[\d.]+x +([\d.]+)%$", table, re.MULTILINE)
+            assert row and 0 < float(row[1]), (name, table)
+    assert "2 threads" in serving
+    peaks = outputs["peaks"]
+    for runtime, precisions in (("tensorflow", ["float32", "bfloat16"] + ["int8"] * compat.onednn_enabled()),
+                                ("tensorflow XLA", ["float32", "bfloat16", "int8"]),
+                                ("litert", ["float32", "dynamic int8", "int8"])):  # fmt: skip
+        for precision in precisions:
+            # A rate per block matmul (qkv, attention output, the MLP's two), the peak, the ratio to float32's.
+            assert re.search(rf"^  {runtime} +{precision} +(\d+ +){{5}}[\d.]+x$", peaks, re.MULTILINE), (
+                runtime, precision, peaks)
 
 
 @pytest.mark.slow
@@ -321,9 +341,16 @@ def test_benchmark_appends_a_well_formed_row_per_run(tensorflow_runs):
         assert datetime.datetime.fromisoformat(row["date"]).tzinfo is not None
     printed = re.search(r"of the logits: (\S+)", outputs["attention"])[1]
     assert f"{rows[3]['figures']['max_abs_difference']:.3g}" == printed
-    assert set(rows[6]["figures"]["bytes"]) == {"keras (.keras)", "saved_model"} | {
+    onnx = {"onnxruntime float32", "onnxruntime int8"} if importlib.util.find_spec("onnxruntime") else set()
+    assert set(rows[6]["figures"]["bytes"]) == {"keras (.keras)", "saved_model", "saved_model bfloat16",
+                                                "saved_model int8"} | onnx | {
         f"tflite {name}" for name in ("float32", "float16", "dynamic", "int8")
-    }
+    }  # fmt: skip
+    assert set(rows[6]["figures"]["seconds"]) == {"1", "2"} and rows[6]["config"]["serving_batches"] == ["1", "2"]
+    # The peaks' row: a rate per runtime, precision and block matmul, and the CPU's features beside them.
+    peaks = rows[7]["figures"]
+    assert set(peaks["flops_per_second"]["litert"]["int8"]) == {"qkv", "attention output", "mlp in", "mlp out"}
+    assert peaks["cpu_flags"] == results.cpu_flags() and rows[7]["config"]["batch_size"] == 2
 
 
 @pytest.mark.slow
@@ -633,3 +660,18 @@ def test_step_parts_count_a_layer_norms_matmuls_as_the_norm():
     assert step_part("", "vit/encoderblock_0/mlp_norm/Rsqrt") == "layer norms"
     assert step_part("", "vit/encoderblock_0/add_1").startswith("blocks:")
     assert step_part("", "SparseSoftmaxCrossEntropyWithLogits") == OTHER_PART
+
+
+def test_cpu_flags_name_the_features_present_and_nothing_where_they_are_absent(tmp_path):
+    line = "flags\t\t: fpu sse2 avx2 avx512f avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8 avx512_fp16\n"
+    intel = tmp_path / "intel"
+    intel.write_text(f"processor\t: 0\nmodel name\t: Some Xeon\n{line}\nprocessor\t: 1\n{line}")
+    assert results.cpu_flags(intel) == ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
+                                        "amx_int8"]  # fmt: skip
+    older = tmp_path / "older"
+    older.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    assert results.cpu_flags(older) == ["avx2"]
+    bare = tmp_path / "bare"
+    bare.write_text("processor\t: 0\nflags\t\t: fpu sse2\n")
+    assert results.cpu_flags(bare) == []
+    assert results.cpu_flags(tmp_path / "missing") == []  # not Linux

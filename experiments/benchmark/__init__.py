@@ -7,7 +7,9 @@ r"""Benchmarks of keras_vit on this machine.
     python -m experiments.benchmark --mode=profile --variant=B/16
     python -m experiments.benchmark --mode=train_profile --variant=S/16
     python -m experiments.benchmark --mode=patch_projection --variant=B/16 --batch_size=16
-    python -m experiments.benchmark --mode=serving --variant=Ti/16 --image_size=224
+    python -m experiments.benchmark --mode=serving --variant=Ti/16 --image_size=224 [--serving_batches=1,8] \
+        [--threads=2]
+    python -m experiments.benchmark --mode=peaks --variant=B/16 --batch_size=1 [--threads=2]
     python -m experiments.benchmark --mode=input --image_size=224 --batch_size=64 [--randaugment=2,10] \
         [--model_garden] [--synthetic=photos|gradients] [--data=PATH|tfds:NAME [--data_dir=DIR]]
     python -m experiments.benchmark.tables [--check]
@@ -36,7 +38,12 @@ prints and returns its figures:
 - `profiling` (`profile`, `train_profile`, `patch_projection`, TensorFlow):
   where an inference batch's or an XLA-compiled training step's time goes,
   and the patch embedding as a conv or a matmul.
-- `serving`: file size and one-image latency of each export.
+- `serving`: file size and latency of each export (SavedModel in each
+  precision, TFLite, the ONNX export in ONNX Runtime) at each batch size, with
+  each one's share of the peak of its runtime and precision.
+- `peaks`: the matmul peaks at the model's block shapes in float32, bfloat16
+  and int8, in TensorFlow (oneDNN, XLA) and LiteRT (XNNPACK), with the CPU's
+  features.
 - `inputs` (`input`): images per second of this host's training input
   pipeline, to compare with `--mode=train` at the same image size.
 

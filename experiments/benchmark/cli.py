@@ -13,7 +13,7 @@ from absl import flags
 
 from experiments import peers
 
-MODES = ("infer", "train", "attention", "profile", "train_profile", "patch_projection", "serving", "input")
+MODES = ("infer", "train", "attention", "profile", "train_profile", "patch_projection", "serving", "input", "peaks")
 # The modes that run on any Keras backend; the others use TensorFlow's own APIs.
 ANY_BACKEND_MODES = ("infer", "train", "attention")
 # keras_vit.training.JIT_COMPILE, written out so that defining the flags imports no Keras.
@@ -28,7 +28,8 @@ MODE_FLAGS = {
     "profile": ("variant", "image_size", "batch_size", "precision", "repeats"),
     "train_profile": ("variant", "image_size", "batch_size", "repeats"),
     "patch_projection": ("variant", "image_size", "batch_size", "repeats"),
-    "serving": ("variant", "image_size", "repeats"),
+    "serving": ("variant", "image_size", "repeats", "serving_batches", "threads"),
+    "peaks": ("variant", "image_size", "batch_size", "repeats", "threads"),
     "input": (
         "image_size", "batch_size", "repeats", "data", "data_dir", "synthetic", "synthetic_images", "synthetic_size",
         "randaugment", "model_garden", "input_images",
@@ -53,6 +54,10 @@ def define_flags(flag_values=FLAGS):
         **f,
     )  # fmt: skip
     flags.DEFINE_integer("steps", 2, "infer/train: batches per timed repetition.", **f)
+    flags.DEFINE_integer(
+        "threads", 0, "peaks/serving: the threads of TensorFlow's ops and LiteRT's interpreter (0: one per core).", **f
+    )
+    flags.DEFINE_list("serving_batches", ["1", "8"], "serving: the batch sizes timed.", **f)
     flags.DEFINE_enum("precision", "float32", ["float32", "mixed_bfloat16"], "infer/train: Keras dtype policy.", **f)
     flags.DEFINE_enum("jit", "auto", list(JIT_COMPILE), "infer/train: XLA for keras_vit.", **f)
     flags.DEFINE_list(
@@ -103,7 +108,7 @@ def define_flags(flag_values=FLAGS):
 
 
 def default_repeats(mode):
-    return 5 if mode in ("infer", "train", "profile", "train_profile", "input") else 30
+    return 5 if mode in ("infer", "train", "profile", "train_profile", "input", "peaks") else 30
 
 
 def check_tensorflow(mode):
@@ -150,7 +155,12 @@ def measure(mode, repeats):
     if mode == "serving":
         from experiments.benchmark.serving import serving
 
-        return serving(FLAGS.variant, FLAGS.image_size, repeats)
+        return serving(FLAGS.variant, FLAGS.image_size, repeats, batches=[int(b) for b in FLAGS.serving_batches],
+                       threads=FLAGS.threads or None)  # fmt: skip
+    if mode == "peaks":
+        from experiments.benchmark.peaks import peaks
+
+        return peaks(FLAGS.variant, FLAGS.image_size, FLAGS.batch_size, repeats, threads=FLAGS.threads or None)
     from experiments.benchmark.inputs import input_benchmark
 
     return input_benchmark(

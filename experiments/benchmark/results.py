@@ -35,8 +35,9 @@ DISTRIBUTIONS = (
     "keras", "tensorflow", "tensorflow-cpu", "tensorflow-tpu", "jax", "jaxlib", "torch", "timm", "keras-hub",
     "numpy", "ai-edge-litert",
 )  # fmt: skip
-# CPU features that decide which fast paths run (oneDNN's bfloat16 and AMX kernels, XLA's vector code).
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+# CPU features that decide which fast paths run (oneDNN's bfloat16, int8 and AMX kernels, XLA's vector code), as
+# Linux's /proc/cpuinfo names them.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 # Fields every row has.
 FIELDS = ("schema", "date", "mode", "config", "figures", "ratios", "command", "commit", "versions", "device")
 
@@ -73,10 +74,10 @@ def git_commit(root=ROOT):
     return commit, bool(status.strip())
 
 
-def cpu_flags():
-    """The `CPU_FLAGS` this CPU has (Linux's /proc/cpuinfo; empty elsewhere)."""
+def cpu_flags(cpuinfo="/proc/cpuinfo"):
+    """The `CPU_FLAGS` this CPU has, read from Linux's `cpuinfo` file; empty where there is none."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
                     present = set(line.split(":", 1)[1].split())
