@@ -248,7 +248,9 @@ def test_the_input_table_shows_each_form_and_the_comparisons_of_the_last_input_r
 # === The modes, run ===
 
 
-EXTRA_FLAGS = {"infer": ["--steps=2"], "train": ["--steps=2"], "serving": ["--serving_batches=1,2", "--threads=2"]}
+EXTRA_FLAGS = {
+    "infer": ["--steps=2"], "train": ["--steps=2"], "serving": ["--serving_batches=1,2", f"--threads={os.cpu_count()}"],
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +284,7 @@ def test_benchmark_runs(tensorflow_runs):
             # Each artefact's size, latency, ratio to the Keras model and share of its runtime's matmul peak.
             row = re.search(rf"^  {name} +[\d.]+ +[\d.]+ +[\d.]+x +([\d.]+)%$", table, re.MULTILINE)
             assert row and 0 < float(row[1]), (name, table)
-    assert "2 threads" in serving
+    assert f"{os.cpu_count()} threads" in serving
     peaks = outputs["peaks"]
     for runtime, precisions in (("tensorflow", ["float32", "bfloat16"] + ["int8"] * compat.onednn_enabled()),
                                 ("tensorflow XLA", ["float32", "bfloat16", "int8"]),
@@ -675,3 +677,15 @@ def test_cpu_flags_name_the_features_present_and_nothing_where_they_are_absent(t
     bare.write_text("processor\t: 0\nflags\t\t: fpu sse2\n")
     assert results.cpu_flags(bare) == []
     assert results.cpu_flags(tmp_path / "missing") == []  # not Linux
+
+
+def test_threads_are_set_before_tensorflow_starts_or_refused_with_the_reason():
+    code = (
+        "import os, tensorflow as tf; from experiments.benchmark.peaks import use_threads; "
+        "print(use_threads(1), tf.config.threading.get_intra_op_parallelism_threads()); tf.constant(1.0) + 1; "
+        "print(use_threads(1)); use_threads(2)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.stdout.split() == ["1", "1", "1"], result.stdout + result.stderr[-2000:]
+    assert result.returncode == 1
+    assert "--threads=2: TensorFlow already runs 1 threads per op in this process" in result.stderr

@@ -16,7 +16,6 @@ could reach at most, the denominator of the serving figures' "of peak" (`--mode=
 """
 
 import os
-import statistics
 import tempfile
 
 import numpy as np
@@ -122,11 +121,30 @@ def litert_matmuls(shape, threads, folder):
     return functions
 
 
+def use_threads(threads=None):
+    """Sets TensorFlow's intra-op threads to `threads` (None: one per core) and returns them; TensorFlow takes
+    them only before its first op, so a process already running another number exits saying so."""
+    import tensorflow as tf
+
+    threads = threads or os.cpu_count()
+    current = tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
+    if current != threads:
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(threads)
+        except RuntimeError as error:
+            raise SystemExit(
+                f"--threads={threads}: TensorFlow already runs {current} threads per op in this process, and takes "
+                "another number only before its first op."
+            ) from error
+    return threads
+
+
 def best_rate(function, argument, flops, repeats):
-    """FLOP/s of `function`: the median over `repeats` of the best of three calls, after three warm-up calls."""
+    """FLOP/s of `function`'s fastest call of 3 x `repeats`, after three warm-up calls: a peak is what the
+    machine reaches at best (a median would let a busy moment lower it below what a model then achieves)."""
     for _ in range(3):
         timed(function, argument)
-    return statistics.median(flops / min(timed(function, argument) for _ in range(3)) for _ in range(repeats))
+    return flops / min(timed(function, argument) for _ in range(3 * repeats))
 
 
 def measure_peaks(variant, image_size, batch_size, repeats, threads=None):
@@ -155,17 +173,14 @@ def peaks_of(rates):
 def peaks(variant, image_size, batch_size, repeats, threads=None):
     """Prints and returns {"figures": {"flops_per_second": rates, "peaks": ..., "cpu_flags": ...}, "ratios"}:
     each precision's peak against float32's in the same runtime."""
-    import tensorflow as tf
-
-    threads = threads or os.cpu_count()
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    threads = use_threads(threads)
     rates = measure_peaks(variant, image_size, batch_size, repeats, threads)
     best = peaks_of(rates)
     flags = cpu_flags()
     shapes = block_matmuls(variant, image_size, batch_size)
     print(
         f"Matmul peaks at {variant}'s block shapes, {image_size} px, batch {batch_size}, {threads} threads, "
-        f"on {cpu_name()} ({', '.join(flags) or 'no listed features'}); GFLOP/s, the median of {repeats} bests of 3:"
+        f"on {cpu_name()} ({', '.join(flags) or 'no listed features'}); GFLOP/s, the fastest of {3 * repeats} calls:"
     )
     print(f"  {'runtime':15s} {'precision':13s} " + " ".join(f"{name:>16s}" for name in shapes) + f" {'peak':>8s}")
     ratios = {}

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 import keras_vit
-from experiments.benchmark.peaks import measure_peaks, peaks_of
+from experiments.benchmark.peaks import measure_peaks, peaks_of, use_threads
 from experiments.benchmark.results import cpu_flags
 from experiments.benchmark.timing import cpu_name, time_calls
 
@@ -103,8 +103,7 @@ def serving(variant, image_size, repeats, batches=(1,), threads=None):
     from keras_vit import export
     from keras_vit.flops import count_flops
 
-    threads = threads or os.cpu_count()
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    threads = use_threads(threads)
     keras.mixed_precision.set_dtype_policy("float32")
     model = keras_vit.build_vit(variant, image_size=image_size, num_classes=1000)
     rng = np.random.default_rng(0)
