@@ -28,6 +28,7 @@ import contextlib
 import os
 import tempfile
 
+import keras
 import numpy as np
 
 from keras_vit.data.header import as_image_limits
@@ -314,20 +315,20 @@ class _ServingModule(tf.Module):
 
 
 def _quantization_modes(model):
-    return {mode for layer in model._flatten_layers() if (mode := getattr(layer, "quantization_mode", None))}
+    """The modes a `keras_vit.ViT`'s layers are quantized in (its config records them); none for other models."""
+    quantized = model.get_config().get("quantized", {}) if hasattr(model, "spec") else {}
+    return {keras.dtype_policies.get(saved["policy"]).quantization_mode for saved in quantized.values()}
 
 
 def model_in_precision(model, precision=None):
     """(the model to trace for `precision`, whether to trace it for CPUs with oneDNN): `model` itself in its
-    own precision, else a copy in bfloat16 or quantized to int8; a ValueError for what cannot be made."""
+    own precision (None), else a copy in bfloat16 or quantized to int8; a ValueError for what cannot be made."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"`precision` must be one of {PRECISIONS}. Received: precision={precision!r}")
     modes = _quantization_modes(model)
     own = "int8" if modes == {"int8"} else None if modes else "float32"
-    if precision is None:
-        precision = own or "its own"
-    elif precision not in PRECISIONS:
-        raise ValueError(f"`precision` must be one of {PRECISIONS}. Received: precision={precision!r}")
-    if precision == own or precision == "its own":
-        return model, precision in ("bfloat16", "int8")
+    if precision is None or precision == own:
+        return model, own == "int8"
     if modes:
         raise ValueError(
             f"The model is quantized ({', '.join(sorted(modes))}); precision={precision!r} needs the float model "

@@ -217,6 +217,11 @@ def test_saved_model_precisions_are_checked(small_model, tmp_path):
     quantized.quantize("int8")
     with pytest.raises(ValueError, match=r"The model is quantized \(int8\); precision='bfloat16' needs the float"):
         export.export_saved_model(quantized, tmp_path / "c", precision="bfloat16")
+    with pytest.raises(ValueError, match=r"The model is quantized \(int8\); precision='float32' needs the float"):
+        export.export_saved_model(quantized, tmp_path / "c", precision="float32")
+    # A quantized model in its own precision is itself, traced for oneDNN's int8 matmuls.
+    assert export.model_in_precision(quantized) == (quantized, True)
+    assert export.model_in_precision(quantized, "int8") == (quantized, True)
     with pytest.raises(ValueError, match="--precision is the SavedModel's"):
         from experiments import export as export_job
 
