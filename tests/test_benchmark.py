@@ -679,6 +679,7 @@ def test_cpu_flags_name_the_features_present_and_nothing_where_they_are_absent(t
     assert results.cpu_flags(tmp_path / "missing") == []  # not Linux
 
 
+@pytest.mark.slow  # a fresh process importing TensorFlow, 5 s
 def test_threads_are_set_before_tensorflow_starts_or_refused_with_the_reason():
     code = (
         "import os, tensorflow as tf; from experiments.benchmark.peaks import use_threads; "
