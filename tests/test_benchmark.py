@@ -27,7 +27,8 @@ from tests.conftest import ROOT, run_module
 MODULES = ["experiments.benchmark"] + [
     f"experiments.benchmark.{name}"
     for name in (
-        "cli", "timing", "throughput", "attention", "profiling", "serving", "peaks", "inputs", "results", "tables"
+        "cli", "timing", "throughput", "attention", "profiling", "serving", "peaks", "predict", "inputs", "results",
+        "tables",
     )  # fmt: skip
 ]
 TINY = ["--variant=testing", "--image_size=32", "--batch_size=2", "--repeats=2"]
@@ -250,6 +251,7 @@ def test_the_input_table_shows_each_form_and_the_comparisons_of_the_last_input_r
 
 EXTRA_FLAGS = {
     "infer": ["--steps=2"], "train": ["--steps=2"], "serving": ["--serving_batches=1,2", f"--threads={os.cpu_count()}"],
+    "predict": ["--predict_batches=2,4", "--synthetic_images=6"],
 }  # fmt: skip
 
 
@@ -262,7 +264,7 @@ def tensorflow_runs(tmp_path_factory):
     # first compiles.
     runs = [["--mode=train_profile", *TINY]] + [
         [f"--mode={mode}", *TINY, *EXTRA_FLAGS.get(mode, []), f"--results_file={path}"]
-        for mode in ("infer", "train", "attention", "patch_projection", "profile", "serving", "peaks")
+        for mode in ("infer", "train", "attention", "patch_projection", "profile", "serving", "peaks", "predict")
     ]
     outputs, _ = run_benchmarks(runs)
     return {args[0].removeprefix("--mode="): outputs[" ".join(args)] for args in runs}, results.read_rows(path), first
@@ -285,6 +287,15 @@ def test_benchmark_runs(tensorflow_runs):
             row = re.search(rf"^  {name} +[\d.]+ +[\d.]+ +[\d.]+x +([\d.]+)%$", table, re.MULTILINE)
             assert row and 0 < float(row[1]), (name, table)
     assert f"{os.cpu_count()} threads" in serving
+    # The prediction job over a folder of photos, each artefact at each batch size, and the decoding's own rate.
+    predict = outputs["predict"]
+    assert re.search(r"^  decoding alone \(read, decode, resize, crop; tf.data\): [\d.]+ images/s$", predict, re.M)
+    names = ["keras (.keras)", "saved_model", "saved_model bfloat16", "saved_model int8"]
+    names += ["onnxruntime float32", "onnxruntime int8"] if importlib.util.find_spec("onnxruntime") else []
+    for batch in (2, 4):
+        table = predict.split(f"batch {batch}:", 1)[1].split("batch", 1)[0]
+        for name in names:
+            assert re.search(rf"^  {re.escape(name)} +[\d.]+ images/s +[\d.]+x ", table, re.M), (name, table)
     peaks = outputs["peaks"]
     for runtime, precisions in (("tensorflow", ["float32", "bfloat16"] + ["int8"] * compat.onednn_enabled()),
                                 ("tensorflow XLA", ["float32", "bfloat16", "int8"]),
@@ -353,6 +364,8 @@ def test_benchmark_appends_a_well_formed_row_per_run(tensorflow_runs):
     peaks = rows[7]["figures"]
     assert set(peaks["flops_per_second"]["litert"]["int8"]) == {"qkv", "attention output", "mlp in", "mlp out"}
     assert peaks["cpu_flags"] == results.cpu_flags() and rows[7]["config"]["batch_size"] == 2
+    assert set(rows[8]["figures"]["images_per_second"]) == {"2", "4"}
+    assert rows[8]["config"]["synthetic_images"] == 6 and rows[8]["figures"]["decode_images_per_second"] > 0
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ r"""Benchmarks of keras_vit on this machine.
     python -m experiments.benchmark --mode=serving --variant=Ti/16 --image_size=224 [--serving_batches=1,8] \
         [--threads=2]
     python -m experiments.benchmark --mode=peaks --variant=B/16 --batch_size=1 [--threads=2]
+    python -m experiments.benchmark --mode=predict --variant=B/16 --predict_batches=8,32 --synthetic_images=64
     python -m experiments.benchmark --mode=input --image_size=224 --batch_size=64 [--randaugment=2,10] \
         [--model_garden] [--synthetic=photos|gradients] [--data=PATH|tfds:NAME [--data_dir=DIR]]
     python -m experiments.benchmark.tables [--check]
@@ -44,6 +45,9 @@ prints and returns its figures:
 - `peaks`: the matmul peaks at the model's block shapes in float32, bfloat16
   and int8, in TensorFlow (oneDNN, XLA) and LiteRT (XNNPACK), with the CPU's
   features.
+- `predict`: images/s of the prediction job over a folder of JPEGs, end to
+  end, with the Keras model and the SavedModel in each precision, against ONNX
+  Runtime on the same images decoded beforehand.
 - `inputs` (`input`): images per second of this host's training input
   pipeline, to compare with `--mode=train` at the same image size.
 

@@ -13,7 +13,10 @@ from absl import flags
 
 from experiments import peers
 
-MODES = ("infer", "train", "attention", "profile", "train_profile", "patch_projection", "serving", "input", "peaks")
+MODES = (
+    "infer", "train", "attention", "profile", "train_profile", "patch_projection", "serving", "input", "peaks",
+    "predict",
+)  # fmt: skip
 # The modes that run on any Keras backend; the others use TensorFlow's own APIs.
 ANY_BACKEND_MODES = ("infer", "train", "attention")
 # keras_vit.training.JIT_COMPILE, written out so that defining the flags imports no Keras.
@@ -30,6 +33,7 @@ MODE_FLAGS = {
     "patch_projection": ("variant", "image_size", "batch_size", "repeats"),
     "serving": ("variant", "image_size", "repeats", "serving_batches", "threads"),
     "peaks": ("variant", "image_size", "batch_size", "repeats", "threads"),
+    "predict": ("variant", "image_size", "repeats", "predict_batches", "synthetic_images", "threads"),
     "input": (
         "image_size", "batch_size", "repeats", "data", "data_dir", "synthetic", "synthetic_images", "synthetic_size",
         "randaugment", "model_garden", "input_images",
@@ -58,6 +62,7 @@ def define_flags(flag_values=FLAGS):
         "threads", 0, "peaks/serving: the threads of TensorFlow's ops and LiteRT's interpreter (0: one per core).", **f
     )
     flags.DEFINE_list("serving_batches", ["1", "8"], "serving: the batch sizes timed.", **f)
+    flags.DEFINE_list("predict_batches", ["8", "32"], "predict: the prediction job's batch sizes timed.", **f)
     flags.DEFINE_enum("precision", "float32", ["float32", "mixed_bfloat16"], "infer/train: Keras dtype policy.", **f)
     flags.DEFINE_enum("jit", "auto", list(JIT_COMPILE), "infer/train: XLA for keras_vit.", **f)
     flags.DEFINE_list(
@@ -71,7 +76,7 @@ def define_flags(flag_values=FLAGS):
         "synthetic", "photos", ["photos", "gradients"],
         "input: the synthetic folder's JPEGs: cut from scikit-image's photos, or drawn gradients and noise.", **f,
     )  # fmt: skip
-    flags.DEFINE_integer("synthetic_images", 512, "input: JPEGs in the synthetic folder.", **f)
+    flags.DEFINE_integer("synthetic_images", 512, "input, predict: JPEGs in the synthetic folder.", **f)
     flags.DEFINE_string(
         "synthetic_size", "500x375", "input: WIDTHxHEIGHT of the synthetic JPEGs (500x375: a typical ImageNet photo).",
         **f,
@@ -108,6 +113,8 @@ def define_flags(flag_values=FLAGS):
 
 
 def default_repeats(mode):
+    if mode == "predict":
+        return 3
     return 5 if mode in ("infer", "train", "profile", "train_profile", "input", "peaks") else 30
 
 
@@ -157,6 +164,13 @@ def measure(mode, repeats):
 
         return serving(FLAGS.variant, FLAGS.image_size, repeats, batches=[int(b) for b in FLAGS.serving_batches],
                        threads=FLAGS.threads or None)  # fmt: skip
+    if mode == "predict":
+        from experiments.benchmark.predict import predict_throughput
+
+        return predict_throughput(
+            FLAGS.variant, FLAGS.image_size, [int(b) for b in FLAGS.predict_batches], FLAGS.synthetic_images, repeats,
+            threads=FLAGS.threads or None,
+        )  # fmt: skip
     if mode == "peaks":
         from experiments.benchmark.peaks import peaks
 

@@ -70,7 +70,7 @@ _EXPORT_ONNX = (
 )
 
 
-def _onnxruntime(keras_path, folder, threads):
+def onnxruntime_sessions(keras_path, folder, threads):
     """{name: (function, size)} of the model saved at `keras_path` exported to ONNX and run in ONNX Runtime,
     float32 and dynamically quantized to int8; {} without onnxruntime."""
     try:
@@ -112,7 +112,7 @@ def serving(variant, image_size, repeats, batches=(1,), threads=None):
         keras_path = os.path.join(tmp, "model.keras")
         model.save(keras_path)
         sizes = {"keras (.keras)": os.path.getsize(keras_path)}
-        peers = _onnxruntime(keras_path, tmp, threads)
+        peers = onnxruntime_sessions(keras_path, tmp, threads)
         keras_fn = tf.function(lambda x: model(x, training=False))
         functions = {"keras (.keras)": lambda x: keras_fn(tf.cast(x, tf.float32))}
         for precision in export.PRECISIONS:
