@@ -203,3 +203,16 @@ def test_export_options_are_checked_and_the_export_command_takes_the_bytes_defau
     loaded = tf.saved_model.load(path)
     assert set(loaded.signatures["serving_default"].structured_input_signature[1]) == {"image_bytes", "key"}
     assert (pathlib.Path(path) / "assets" / "labels.txt").read_text().split("\n")[:-1] == CLASS_NAMES
+
+
+@pytest.mark.slow  # two exports and their checks, 6 s
+def test_the_export_command_exports_and_checks_each_precision(tmp_path):
+    model = _model()
+    for precision, tolerance in (("bfloat16", 0.05), ("int8", 0.05)):
+        path, difference, agreement = export_job.export_and_check(
+            model, "saved_model", str(tmp_path / precision), warmup=False, precision=precision
+        )
+        # Against the float32 Keras model on 100 random images: within the precision's rounding.
+        scale = float(np.abs(model.predict(export_job.sample_images(model, 100), verbose=0)).max())
+        assert 0 < difference <= tolerance * scale and agreement >= 0.9, (precision, difference, agreement)
+        assert set(tf.saved_model.load(path).signatures) == {"serving_default", "serving_images", "serving_bytes"}
