@@ -314,18 +314,15 @@ class _ServingModule(tf.Module):
         self.trainable_variables = [v.value for v in model.trainable_variables]
 
 
-def _quantization_modes(model):
-    """The modes a `keras_vit.ViT`'s layers are quantized in (its config records them); none for other models."""
-    quantized = model.get_config().get("quantized", {}) if hasattr(model, "spec") else {}
-    return {keras.dtype_policies.get(saved["policy"]).quantization_mode for saved in quantized.values()}
-
-
 def model_in_precision(model, precision=None):
     """(the model to trace for `precision`, whether to trace it for CPUs with oneDNN): `model` itself in its
     own precision (None), else a copy in bfloat16 or quantized to int8; a ValueError for what cannot be made."""
     if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"`precision` must be one of {PRECISIONS}. Received: precision={precision!r}")
-    modes = _quantization_modes(model)
+    # A keras_vit.ViT's config records how its layers are quantized; other models are taken as they are.
+    config = model.get_config() if hasattr(model, "spec") else {}
+    quantized = config.get("quantized", {}).values()
+    modes = {keras.dtype_policies.get(saved["policy"]).quantization_mode for saved in quantized}
     own = "int8" if modes == {"int8"} else None if modes else "float32"
     if precision is None or precision == own:
         return model, own == "int8"
@@ -339,7 +336,6 @@ def model_in_precision(model, precision=None):
             f"precision={precision!r} needs a keras_vit.ViT (a copy of it is made in that precision). "
             f"Received: a {type(model).__name__}"
         )
-    config = model.get_config()
     copy = type(model).from_config({**config, "dtype": "bfloat16"} if precision == "bfloat16" else config)
     copy.set_weights(model.get_weights())
     if precision == "int8":

@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from keras_vit.kernels import reference
+from keras_vit.kernels import reference, tf_ops
 
 
 def layer_norm_for_inference(x, gamma, beta, epsilon):
@@ -185,7 +185,7 @@ def int8_dense_for_inference(x, kernel, kernel_scale, bias, dtype, frozen=False)
     oneDNN's kernel takes unsigned activations and one scale per operand, so x is quantized per tensor:
     shifted by its minimum m (m <= 0) onto [0, max - m], rounded to 255 levels, and the shift given back
     through the bias, m times each column's sum of the float kernel. The kernel's per-column scales leave the
-    matmul as a multiplication of its result: oneDNN sees weights of scale 1. The dequantised product differs
+    matmul as a division of its result: oneDNN sees weights of scale 1. The dequantised product differs
     from the reference (abs-max per token) by rounding only: both are x @ kernel + bias within half an
     activation step per term. Needs TensorFlow's oneDNN CPU kernels (a CPU without them fails to run it).
 
@@ -194,9 +194,9 @@ def int8_dense_for_inference(x, kernel, kernel_scale, bias, dtype, frozen=False)
     """
     shape = tuple(kernel.shape)
     depth = shape[0]
-    matrix = tf.bitcast(tf.reshape(kernel, (depth, -1)), tf.qint8)
-    # float kernel = int8 values / kernel_scale, column by column.
-    step = tf.reshape(1.0 / tf.cast(kernel_scale, tf.float32), (-1,))
+    matrix = tf.reshape(kernel, (depth, -1))
+    # The float kernel is int8 values / kernel_scale, column by column.
+    scale = tf.reshape(tf.cast(kernel_scale, tf.float32), (-1,))
     rows = tf.reshape(tf.cast(x, tf.float32), (-1, depth))
     low = tf.minimum(tf.reduce_min(rows), 0.0)
     span = tf.maximum(tf.reduce_max(rows) - low, 1e-12)
@@ -206,15 +206,16 @@ def int8_dense_for_inference(x, kernel, kernel_scale, bias, dtype, frozen=False)
     if frozen:
         with tf.init_scope():
             sums = np.reshape(ops.convert_to_numpy(kernel), (depth, -1)).astype(np.float32).sum(axis=0)
-        column_sums = tf.constant(sums) * step
+        int8_sums = tf.constant(sums)
     else:
-        column_sums = tf.reduce_sum(tf.cast(tf.reshape(kernel, (depth, -1)), tf.float32), axis=0) * step
-    shift = low * column_sums if bias is None else tf.reshape(tf.cast(bias, tf.float32), (-1,)) + low * column_sums
+        int8_sums = tf.reduce_sum(tf.cast(matrix, tf.float32), axis=0)
+    # In the int8 values' units (before the division by the scale): the shift given back, and the bias.
+    shift = low * int8_sums
+    if bias is not None:
+        shift += tf.reshape(tf.cast(bias, tf.float32), (-1,)) * scale
     y = tf.raw_ops.QuantizedMatMulWithBiasAndDequantize(
-        a=quantized.output, b=matrix, bias=shift / step, min_a=quantized.output_min, max_a=quantized.output_max,
-        min_b=-127.0, max_b=127.0, min_freezed_output=-1.0, max_freezed_output=1.0, Toutput=tf.float32,
-        input_quant_mode="SCALED",
+        a=quantized.output, b=tf.bitcast(matrix, tf.qint8), bias=shift, min_a=quantized.output_min,
+        max_a=quantized.output_max, min_b=-127.0, max_b=127.0, min_freezed_output=-1.0, max_freezed_output=1.0,
+        Toutput=tf.float32, input_quant_mode="SCALED",
     )  # fmt: skip
-    y = tf.cast(y * step, dtype)
-    middle = [size if size is not None else tf.shape(x)[axis] for axis, size in enumerate(x.shape[1:-1], 1)]
-    return tf.reshape(y, [-1, *middle, *shape[1:]])
+    return tf_ops.unflatten_rows(tf.cast(y / scale, dtype), x, shape[1:])

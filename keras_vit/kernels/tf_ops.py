@@ -28,8 +28,14 @@ def dense(x, kernel, bias, activation=None):
         y = tf.nn.gelu(y, approximate=True)
     else:
         y = reference.ACTIVATIONS[activation](y)
-    middle = [size if size is not None else tf.shape(x)[axis] for axis, size in enumerate(shape[1:-1], 1)]
-    return tf.reshape(y, [-1, *middle, *outputs])
+    return unflatten_rows(y, x, outputs)
+
+
+def unflatten_rows(y, x, trailing):
+    """The 2-D result `y` of a matmul of `x` flattened to rows, reshaped to x's leading axes (each known size
+    kept, the others read at run time) and `trailing`."""
+    middle = [size if size is not None else tf.shape(x)[axis] for axis, size in enumerate(x.shape[1:-1], 1)]
+    return tf.reshape(y, [-1, *middle, *trailing])
 
 
 def assert_divisible(images, patch_size, message):
