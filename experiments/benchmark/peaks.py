@@ -20,12 +20,11 @@ import tempfile
 
 import numpy as np
 
-from experiments.benchmark.results import cpu_flags
-from experiments.benchmark.timing import cpu_name, timed
+from experiments.benchmark.results import cpu_flags, cpu_line
+from experiments.benchmark.timing import timed
 from keras_vit.variants import parse_variant
 
 RUNTIMES = ("tensorflow", "tensorflow XLA", "litert")
-PRECISIONS = ("float32", "bfloat16", "int8")
 # LiteRT's int8 forms: dynamic-range (int8 weights, float32 activations quantized per call) and full integer.
 LITERT_PRECISIONS = ("float32", "dynamic int8", "int8")
 
@@ -180,7 +179,7 @@ def peaks(variant, image_size, batch_size, repeats, threads=None):
     shapes = block_matmuls(variant, image_size, batch_size)
     print(
         f"Matmul peaks at {variant}'s block shapes, {image_size} px, batch {batch_size}, {threads} threads, "
-        f"on {cpu_name()} ({', '.join(flags) or 'no listed features'}); GFLOP/s, the fastest of {3 * repeats} calls:"
+        f"on {cpu_line(flags)}; GFLOP/s, the fastest of {3 * repeats} calls:"
     )
     print(f"  {'runtime':15s} {'precision':13s} " + " ".join(f"{name:>16s}" for name in shapes) + f" {'peak':>8s}")
     ratios = {}

@@ -21,9 +21,8 @@ import numpy as np
 import keras_vit
 from experiments.benchmark.inputs import write_photo_folder
 from experiments.benchmark.peaks import use_threads
-from experiments.benchmark.results import cpu_flags
-from experiments.benchmark.serving import onnxruntime_sessions
-from experiments.benchmark.timing import cpu_name
+from experiments.benchmark.results import cpu_flags, cpu_line
+from experiments.benchmark.serving import onnxruntime_sessions, saved_models
 
 
 def _seconds(function):
@@ -52,7 +51,7 @@ def decoded_images(paths, image_size):
 def predict_throughput(variant, image_size, batches, count, repeats, threads=None):
     """Prints and returns {"figures": {"images_per_second": {batch: {name: rate}}, "decode_images_per_second",
     "cpu_flags", "threads"}, "ratios"}."""
-    from keras_vit import export, prediction
+    from keras_vit import prediction
 
     threads = use_threads(threads)
     model = keras_vit.build_vit(variant, image_size=image_size, num_classes=1000)
@@ -64,10 +63,7 @@ def predict_throughput(variant, image_size, batches, count, repeats, threads=Non
         keras_path = os.path.join(tmp, "model.keras")
         model.save(keras_path)
         sessions = onnxruntime_sessions(keras_path, tmp, threads)
-        artefacts = {"keras (.keras)": model}
-        for precision in export.PRECISIONS:
-            name = "saved_model" if precision == "float32" else f"saved_model {precision}"
-            artefacts[name] = export.export_saved_model(model, os.path.join(tmp, name), precision=precision)
+        artefacts = {"keras (.keras)": model, **saved_models(model, tmp)}
         images, decode_seconds = decoded_images(paths, image_size)
         decode_rate = len(paths) / decode_seconds
         rates = {}
@@ -92,7 +88,7 @@ def _print(variant, image_size, count, repeats, threads, rates, decode_rate):
     flags = cpu_flags()
     print(
         f"Predicting with {variant} at {image_size} px over {count} JPEGs (500x375), median of {repeats}, "
-        f"{threads} threads, on {cpu_name()} ({', '.join(flags) or 'no listed features'}):"
+        f"{threads} threads, on {cpu_line(flags)}:"
     )
     print(f"  decoding alone (read, decode, resize, crop; tf.data): {decode_rate:.1f} images/s")
     ratios = {}

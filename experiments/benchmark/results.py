@@ -87,6 +87,13 @@ def cpu_flags(cpuinfo="/proc/cpuinfo"):
     return []
 
 
+def cpu_line(flags):
+    """The CPU as the serving, peaks and predict modes print it: its model name and `flags` (`cpu_flags()`)."""
+    from experiments.benchmark.timing import cpu_name
+
+    return f"{cpu_name()} ({', '.join(flags) or 'no listed features'})"
+
+
 def gpu_driver():
     """The NVIDIA driver's version, where `nvidia-smi` answers; else None."""
     try:

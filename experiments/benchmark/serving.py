@@ -21,8 +21,8 @@ import numpy as np
 
 import keras_vit
 from experiments.benchmark.peaks import measure_peaks, peaks_of, use_threads
-from experiments.benchmark.results import cpu_flags
-from experiments.benchmark.timing import cpu_name, time_calls
+from experiments.benchmark.results import cpu_flags, cpu_line
+from experiments.benchmark.timing import time_calls
 
 # The peak each artefact is held against: (runtime, precision) of `peaks.measure_peaks`.
 PEAK_OF = {
@@ -95,6 +95,18 @@ def onnxruntime_sessions(keras_path, folder, threads):
     return functions
 
 
+def saved_models(model, folder):
+    """{name: path} of `model` exported as a SavedModel in each precision under `folder`: "saved_model" (float32),
+    "saved_model bfloat16", "saved_model int8"."""
+    from keras_vit import export
+
+    paths = {}
+    for precision in export.PRECISIONS:
+        name = "saved_model" if precision == "float32" else f"saved_model {precision}"
+        paths[name] = export.export_saved_model(model, os.path.join(folder, name), precision=precision)
+    return paths
+
+
 def serving(variant, image_size, repeats, batches=(1,), threads=None):
     """Prints and returns {"figures": {"bytes": {artefact: size}, "seconds": {batch: {artefact: latency}},
     "of_peak": {batch: {artefact: share}}, "peaks": {batch: peaks}, "cpu_flags"}, "ratios"}."""
@@ -115,9 +127,7 @@ def serving(variant, image_size, repeats, batches=(1,), threads=None):
         peers = onnxruntime_sessions(keras_path, tmp, threads)
         keras_fn = tf.function(lambda x: model(x, training=False))
         functions = {"keras (.keras)": lambda x: keras_fn(tf.cast(x, tf.float32))}
-        for precision in export.PRECISIONS:
-            name = "saved_model" if precision == "float32" else f"saved_model {precision}"
-            saved = export.export_saved_model(model, os.path.join(tmp, name), precision=precision)
+        for name, saved in saved_models(model, tmp).items():
             sizes[name] = directory_size(saved)
             signature = tf.saved_model.load(saved).signatures["serving_images"]
             functions[name] = lambda x, signature=signature: signature(images=tf.constant(x))["logits"]
@@ -142,20 +152,17 @@ def serving(variant, image_size, repeats, batches=(1,), threads=None):
                 for name, latency in seconds[batch].items()
                 if name in PEAK_OF and PEAK_OF[name][1] in peaks[batch][PEAK_OF[name][0]]
             }
-    ratios = _print(variant, image_size, repeats, threads, sizes, seconds, shares)
+    flags = cpu_flags()
+    ratios = _print(variant, image_size, repeats, threads, flags, sizes, seconds, shares)
     return {
-        "figures": {"bytes": sizes, "seconds": seconds, "of_peak": shares, "peaks": peaks, "cpu_flags": cpu_flags(),
+        "figures": {"bytes": sizes, "seconds": seconds, "of_peak": shares, "peaks": peaks, "cpu_flags": flags,
                     "threads": threads},
         "ratios": ratios,
     }  # fmt: skip
 
 
-def _print(variant, image_size, repeats, threads, sizes, seconds, shares):
-    flags = cpu_flags()
-    print(
-        f"Serving {variant} at {image_size} px, {repeats} repeats, {threads} threads, on {cpu_name()} "
-        f"({', '.join(flags) or 'no listed features'}):"
-    )
+def _print(variant, image_size, repeats, threads, flags, sizes, seconds, shares):
+    print(f"Serving {variant} at {image_size} px, {repeats} repeats, {threads} threads, on {cpu_line(flags)}:")
     ratios = {}
     for batch, medians in seconds.items():
         print(f"  batch {batch}:")
