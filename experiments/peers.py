@@ -92,18 +92,9 @@ class TimmWorker:
         self, config, image_size, batch_size, num_classes, mode, precision, device="cpu", compiled=False, python=None,
         passive_threads=False,
     ):  # fmt: skip
-        if config.resnet_layers is not None:
-            raise SystemExit("The timm comparison covers plain ViTs only, not hybrids.")
-        if python is None:  # Another interpreter checks its own packages, in the child.
-            require("timm", "timm")  # A clear error here rather than in the child.
-        args = [
-            python or sys.executable, "-m", "experiments.peers", "--timm",
-            f"--hidden_dim={config.hidden_dim}", f"--num_layers={config.num_layers}",
-            f"--num_heads={config.num_heads}", f"--mlp_dim={config.mlp_dim}",
-            f"--patch_size={config.patch_size[0]}", f"--image_size={image_size}",
-            f"--batch_size={batch_size}", f"--num_classes={num_classes}",
-            f"--mode={mode}", f"--precision={precision}", f"--device={device}",
-        ] + ["--compile"] * bool(compiled)  # fmt: skip
+        args = timm_args(config, image_size, batch_size, num_classes, mode, precision, device, python) + [
+            "--compile"
+        ] * bool(compiled)
         env = None
         if passive_threads:
             # Two PyTorch processes on the same cores: OpenMP threads that spin-wait after
@@ -146,7 +137,35 @@ def _worker_arguments(argv):
     parser.add_argument("--precision", choices=("float32", "mixed_bfloat16"), required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--compile", action="store_true", help="torch.compile the step (or the model).")
+    parser.add_argument("--onnx", help="Export the model (eval mode, float32, any batch) to this ONNX file and exit.")
     return parser.parse_args(argv)
+
+
+def timm_args(config, image_size, batch_size, num_classes, mode, precision, device="cpu", python=None):
+    """The command line of the timm worker for a plain ViT of `config`; exits naming what is missing first."""
+    if config.resnet_layers is not None:
+        raise SystemExit("The timm comparison covers plain ViTs only, not hybrids.")
+    if python is None:  # Another interpreter checks its own packages, in the child.
+        require("timm", "timm")  # A clear error here rather than in the child.
+    return [
+        python or sys.executable, "-m", "experiments.peers", "--timm",
+        f"--hidden_dim={config.hidden_dim}", f"--num_layers={config.num_layers}",
+        f"--num_heads={config.num_heads}", f"--mlp_dim={config.mlp_dim}",
+        f"--patch_size={config.patch_size[0]}", f"--image_size={image_size}",
+        f"--batch_size={batch_size}", f"--num_classes={num_classes}",
+        f"--mode={mode}", f"--precision={precision}", f"--device={device}",
+    ]  # fmt: skip
+
+
+def export_timm_onnx(config, image_size, num_classes, path, python=None):
+    """timm's ViT of `config` (its own initial weights) exported by `torch.onnx.export` to `path`, in a child
+    process: input `images` (batch, 3, height, width) float32 normalized pixels, output `logits`. Returns
+    {"timm": version, "torch": version} of the interpreter that exported it."""
+    args = timm_args(config, image_size, 1, num_classes, "infer", "float32", python=python)
+    done = subprocess.run([*args, f"--onnx={path}"], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"timm's ONNX export exited with status {done.returncode}: {done.stderr[-2000:]}")
+    return dict(item.split("=", 1) for item in done.stdout.strip().splitlines()[-1].split())
 
 
 def timm_worker(argv):
@@ -174,6 +193,13 @@ def timm_worker(argv):
         rng.uniform(-1, 1, (f.batch_size, 3, f.image_size, f.image_size)).astype(np.float32)
     ).to(f.device)
     labels = torch.from_numpy(rng.integers(0, f.num_classes, f.batch_size)).to(f.device)
+    if f.onnx:
+        torch.onnx.export(
+            model.eval(), (images,), f.onnx, input_names=["images"], output_names=["logits"],
+            dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False,
+        )  # fmt: skip
+        print(f"timm={timm.__version__} torch={torch.__version__}", flush=True)
+        return
     autocast = torch.autocast(f.device, dtype=torch.bfloat16, enabled=f.precision == "mixed_bfloat16")
 
     def synchronize():  # CUDA kernels run asynchronously: a timing waits for them.

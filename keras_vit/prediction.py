@@ -230,20 +230,44 @@ def _probabilities(model):
     return _TRACED[model]
 
 
-class _SavedModelRunner:
-    """A SavedModel from `export_saved_model`: each file checked in the input pipeline (read and decoded within
-    `limits`), its bytes through `serving_bytes`."""
+@dataclasses.dataclass(frozen=True)
+class SavedModel:
+    """A SavedModel folder from `export_saved_model`, loaded (`load_saved_model`): `predict_files` takes it in
+    place of the folder's path, so that several runs load it once."""
 
-    def __init__(self, loaded, folder, limits):
-        signature = loaded.signatures.get("serving_bytes")
-        if signature is None:
-            raise ValueError(
-                f"{folder} has no `serving_bytes` signature (it has {sorted(loaded.signatures)}): predictions "
-                "need the SavedModel that keras_vit.export.export_saved_model writes."
-            )
-        self._signature = signature
-        self.num_classes = int(signature.structured_outputs["probabilities"].shape[-1])
-        self.class_names = read_labels(folder)
+    folder: str
+    loaded: object  # tf.saved_model.load's; its signatures need it alive
+    num_classes: int
+    class_names: list = None
+
+    @property
+    def signature(self):
+        return self.loaded.signatures["serving_bytes"]
+
+
+def load_saved_model(folder):
+    """The SavedModel in `folder` (local or `gs://`), loaded once for `predict_files`; a ValueError if it has no
+    `serving_bytes` signature."""
+    folder = os.fspath(folder)
+    loaded = tf.saved_model.load(folder)
+    signature = loaded.signatures.get("serving_bytes")
+    if signature is None:
+        raise ValueError(
+            f"{folder} has no `serving_bytes` signature (it has {sorted(loaded.signatures)}): predictions "
+            "need the SavedModel that keras_vit.export.export_saved_model writes."
+        )
+    num_classes = int(signature.structured_outputs["probabilities"].shape[-1])
+    return SavedModel(folder, loaded, num_classes, read_labels(folder))
+
+
+class _SavedModelRunner:
+    """A loaded `SavedModel`: each file checked in the input pipeline (read and decoded within `limits`), its
+    bytes through `serving_bytes`."""
+
+    def __init__(self, saved, limits):
+        self._signature = saved.signature
+        self.num_classes = saved.num_classes
+        self.class_names = saved.class_names
 
         def check(encoded):
             with tf.control_dependencies([decode_image(encoded, limits, messages=False)]):
@@ -267,11 +291,13 @@ def read_labels(folder):
 
 def _runner(model, crop_fraction, limits):
     if isinstance(model, (str, os.PathLike)):
-        folder = os.fspath(model)
-        return _SavedModelRunner(tf.saved_model.load(folder), folder, limits)
+        model = load_saved_model(model)
+    if isinstance(model, SavedModel):
+        return _SavedModelRunner(model, limits)
     if not hasattr(model, "output_shape"):
         raise TypeError(
-            f"Expected a Keras model or the path of a SavedModel folder. Received: {type(model).__name__}"
+            "Expected a Keras model, the path of a SavedModel folder or a `load_saved_model`. Received: "
+            f"{type(model).__name__}"
         )
     return _KerasRunner(model, crop_fraction, limits)
 
@@ -312,7 +338,8 @@ def predict_files(model, paths, *, top_k=None, batch_size=64, crop_fraction=None
 
     Args:
         model: a Keras model taking raw pixels and returning logits (a `keras_vit.ViT`, a `.keras` file
-            loaded, `from_pretrained`'s), or the path of a SavedModel folder from `export_saved_model`.
+            loaded, `from_pretrained`'s), or the path of a SavedModel folder from `export_saved_model` (or
+            the folder loaded once by `load_saved_model`).
         paths: the files (`list_files` streams those of a folder, a glob or a prefix).
         top_k: how many of the most probable classes each prediction names (None: 5, or every class if there
             are fewer).

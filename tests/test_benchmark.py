@@ -101,6 +101,17 @@ def test_flag_choices_are_the_library_s():
     assert all(set(config) <= names for config in cli.MODE_FLAGS.values())
 
 
+@pytest.mark.parametrize("value", ["1,x", "0", "8,-1", ""])
+def test_batch_lists_that_are_not_positive_integers_are_refused_naming_the_flag(value):
+    values = flags.FlagValues()
+    cli.define_flags(values)
+    for name in ("serving_batches", "predict_batches"):
+        with pytest.raises(flags.IllegalFlagValueError, match=rf"--{name}=.*positive integers separated by commas"):
+            values([sys.argv[0], f"--{name}={value}"])
+    values([sys.argv[0], "--serving_batches=1,8", "--predict_batches=32"])
+    assert values.serving_batches == ["1", "8"] and values.predict_batches == ["32"]
+
+
 @pytest.mark.environment("jax_without_tensorflow")
 def test_benchmark_modes_that_need_tensorflow_say_so():
     for mode in cli.ANY_BACKEND_MODES:
@@ -287,9 +298,19 @@ def test_benchmark_runs(tensorflow_runs):
             row = re.search(rf"^  {name} +[\d.]+ +[\d.]+ +[\d.]+x +([\d.]+)%$", table, re.MULTILINE)
             assert row and 0 < float(row[1]), (name, table)
     assert f"{os.cpu_count()} threads" in serving
+    # ONNX Runtime's rows: our ONNX export, and timm's where timm is installed (else said to be left out).
+    if importlib.util.find_spec("onnxruntime"):
+        timm = importlib.util.find_spec("timm") is not None
+        assert ("timm's ONNX export: timm " in serving) == timm
+        assert ("timm is not installed here" in serving) != timm
+        peers = ["onnxruntime"] + ["onnxruntime timm"] * timm
+        for name in [f"{peer} {precision}" for peer in peers for precision in ("float32", "int8")]:
+            assert re.search(rf"^  {name} +[\d.]+ +[\d.]+ +[\d.]+x +—$", serving, re.MULTILINE), (name, serving)
     # The prediction job over a folder of photos, each artefact at each batch size, and the decoding's own rate.
     predict = outputs["predict"]
     assert re.search(r"^  decoding alone \(read, decode, resize, crop; tf.data\): [\d.]+ images/s$", predict, re.M)
+    assert re.search(r"^  loading \(once, not timed below\): saved_model [\d.]+ s, saved_model bfloat16 [\d.]+ s, "
+                     r"saved_model int8 [\d.]+ s$", predict, re.M)  # fmt: skip
     names = ["keras (.keras)", "saved_model", "saved_model bfloat16", "saved_model int8"]
     names += ["onnxruntime float32", "onnxruntime int8"] if importlib.util.find_spec("onnxruntime") else []
     for batch in (2, 4):

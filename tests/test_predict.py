@@ -206,3 +206,17 @@ def test_the_job_predicts_with_a_keras_file_and_with_the_savedmodel_as_it_serves
     results = list(prediction.predict_files(str(small), prediction.list_files(tmp_path / "photos"), batch_size=8))
     refused = {os.path.basename(r.path): r.error for r in results if r.error}
     assert set(refused) == {"b.jpg", "d_damaged.jpg", "e_notes.txt"} and "max_pixels" in refused["b.jpg"], refused
+    # Loaded once (load_saved_model), it serves run after run as its folder does, class names included.
+    loaded = prediction.load_saved_model(saved)
+    by_folder = list(prediction.predict_files(str(saved), prediction.list_files(tmp_path / "photos"), top_k=2))
+    for _ in range(2):
+        again = list(prediction.predict_files(loaded, prediction.list_files(tmp_path / "photos"), top_k=2))
+        assert [(r.path, r.names, r.error) for r in again] == [(r.path, r.names, r.error) for r in by_folder]
+        np.testing.assert_allclose([r.probabilities for r in again if not r.error],
+                                   [r.probabilities for r in by_folder if not r.error], rtol=1e-5)  # fmt: skip
+    # A SavedModel that is not export_saved_model's: refused, naming the signatures it has.
+    plain = tf.Module()
+    plain.f = tf.function(lambda x: x + 1, input_signature=[tf.TensorSpec([None], tf.float32)])
+    tf.saved_model.save(plain, str(tmp_path / "plain"), signatures={"add": plain.f})
+    with pytest.raises(ValueError, match=r"no `serving_bytes` signature \(it has \['add'\]\)"):
+        prediction.load_saved_model(tmp_path / "plain")

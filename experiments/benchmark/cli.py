@@ -31,9 +31,9 @@ MODE_FLAGS = {
     "profile": ("variant", "image_size", "batch_size", "precision", "repeats"),
     "train_profile": ("variant", "image_size", "batch_size", "repeats"),
     "patch_projection": ("variant", "image_size", "batch_size", "repeats"),
-    "serving": ("variant", "image_size", "repeats", "serving_batches", "threads"),
+    "serving": ("variant", "image_size", "repeats", "serving_batches", "threads", "timm_python"),
     "peaks": ("variant", "image_size", "batch_size", "repeats", "threads"),
-    "predict": ("variant", "image_size", "repeats", "predict_batches", "synthetic_images", "threads"),
+    "predict": ("variant", "image_size", "repeats", "predict_batches", "synthetic_images", "threads", "timm_python"),
     "input": (
         "image_size", "batch_size", "repeats", "data", "data_dir", "synthetic", "synthetic_images", "synthetic_size",
         "randaugment", "model_garden", "input_images",
@@ -63,6 +63,10 @@ def define_flags(flag_values=FLAGS):
     )
     flags.DEFINE_list("serving_batches", ["1", "8"], "serving: the batch sizes timed.", **f)
     flags.DEFINE_list("predict_batches", ["8", "32"], "predict: the prediction job's batch sizes timed.", **f)
+    for name in ("serving_batches", "predict_batches"):
+        flags.register_validator(
+            name, _batch_sizes, message="expected positive integers separated by commas, e.g. 1,8", **f
+        )
     flags.DEFINE_enum("precision", "float32", ["float32", "mixed_bfloat16"], "infer/train: Keras dtype policy.", **f)
     flags.DEFINE_enum("jit", "auto", list(JIT_COMPILE), "infer/train: XLA for keras_vit.", **f)
     flags.DEFINE_list(
@@ -93,7 +97,8 @@ def define_flags(flag_values=FLAGS):
     flags.DEFINE_integer("input_images", 1024, "input: images per timed repetition.", **f)
     flags.DEFINE_string(
         "timm_python", "",
-        "infer/train: the Python that runs the timm peers (default: this one), where PyTorch lives apart.", **f,
+        "infer/train: the Python that runs the timm peers (default: this one), where PyTorch lives apart; "
+        "serving/predict: the one that exports timm's ViT to ONNX (default: this one, where timm imports).", **f,
     )  # fmt: skip
     flags.DEFINE_boolean(
         "float32_row", True,
@@ -110,6 +115,10 @@ def define_flags(flag_values=FLAGS):
         "e.g. results/cpu.jsonl (see experiments/benchmark/results.py).", **f,
     )  # fmt: skip
     return [name for name in flag_values if flag_values.find_module_defining_flag(name) == __name__]
+
+
+def _batch_sizes(values):
+    return bool(values) and all(value.isdigit() and int(value) > 0 for value in values)
 
 
 def default_repeats(mode):
@@ -163,13 +172,13 @@ def measure(mode, repeats):
         from experiments.benchmark.serving import serving
 
         return serving(FLAGS.variant, FLAGS.image_size, repeats, batches=[int(b) for b in FLAGS.serving_batches],
-                       threads=FLAGS.threads or None)  # fmt: skip
+                       threads=FLAGS.threads or None, timm_python=FLAGS.timm_python or None)  # fmt: skip
     if mode == "predict":
         from experiments.benchmark.predict import predict_throughput
 
         return predict_throughput(
             FLAGS.variant, FLAGS.image_size, [int(b) for b in FLAGS.predict_batches], FLAGS.synthetic_images, repeats,
-            threads=FLAGS.threads or None,
+            threads=FLAGS.threads or None, timm_python=FLAGS.timm_python or None,
         )  # fmt: skip
     if mode == "peaks":
         from experiments.benchmark.peaks import peaks

@@ -1,10 +1,13 @@
 """`--mode=predict`: images per second of the prediction job over a folder of JPEGs, end to end.
 
-`keras_vit.prediction.predict_files` (what `python -m experiments.predict` runs) on JPEGs cut from scikit-image's photos
-(500 x 375, `inputs.write_photo_folder`), at each batch size, with the Keras model and its SavedModel in each
-precision (`export_saved_model(precision=...)`): files read, decoded, resized and cropped, batches through the
-model, the top classes out. Against the model's ONNX export in ONNX Runtime (float32, `quantize_dynamic` int8)
-on the same images decoded and prepared beforehand, so that ONNX Runtime's figures leave the decoding out.
+`keras_vit.prediction.predict_files` (what `python -m experiments.predict` runs) on JPEGs cut from scikit-image's
+photos (500 x 375, `inputs.write_photo_folder`), at each batch size, with the Keras model and its SavedModel in
+each precision (`export_saved_model(precision=...)`, loaded once beforehand with `prediction.load_saved_model`
+as the Keras model is built beforehand; the loading's seconds are printed apart): files read, decoded, resized
+and cropped, batches through the model, the top classes out. Against ONNX Runtime (float32, `quantize_dynamic`
+int8) running the model's ONNX export and, where timm imports, timm's ViT of the same architecture exported by
+PyTorch, on the same images decoded and prepared beforehand, so that ONNX Runtime's figures leave the decoding
+out.
 
 The SavedModel's job decodes each file twice: once in the input pipeline to check it (a file that cannot be
 decoded is skipped and reported rather than failing its batch), once inside `serving_bytes`. The decoding's own
@@ -22,7 +25,7 @@ import keras_vit
 from experiments.benchmark.inputs import write_photo_folder
 from experiments.benchmark.peaks import use_threads
 from experiments.benchmark.results import cpu_flags, cpu_line
-from experiments.benchmark.serving import onnxruntime_sessions, saved_models
+from experiments.benchmark.serving import onnxruntime_sessions, saved_models, timm_peer
 
 
 def _seconds(function):
@@ -48,7 +51,7 @@ def decoded_images(paths, image_size):
     return images, time.perf_counter() - start
 
 
-def predict_throughput(variant, image_size, batches, count, repeats, threads=None):
+def predict_throughput(variant, image_size, batches, count, repeats, threads=None, timm_python=None):
     """Prints and returns {"figures": {"images_per_second": {batch: {name: rate}}, "decode_images_per_second",
     "cpu_flags", "threads"}, "ratios"}."""
     from keras_vit import prediction
@@ -62,8 +65,13 @@ def predict_throughput(variant, image_size, batches, count, repeats, threads=Non
         )
         keras_path = os.path.join(tmp, "model.keras")
         model.save(keras_path)
-        sessions = onnxruntime_sessions(keras_path, tmp, threads)
-        artefacts = {"keras (.keras)": model, **saved_models(model, tmp)}
+        sessions = onnxruntime_sessions(keras_path, tmp, threads, timm_peer(variant, image_size, 1000, timm_python))
+        artefacts = {"keras (.keras)": model}
+        load_seconds = {}
+        for name, folder in saved_models(model, tmp).items():  # Loaded once, as a server or a long job does.
+            start = time.perf_counter()
+            artefacts[name] = prediction.load_saved_model(folder)
+            load_seconds[name] = time.perf_counter() - start
         images, decode_seconds = decoded_images(paths, image_size)
         decode_rate = len(paths) / decode_seconds
         rates = {}
@@ -81,23 +89,24 @@ def predict_throughput(variant, image_size, batches, count, repeats, threads=Non
                 for name, job in jobs.items():
                     seconds[name].append(_seconds(job))
             rates[batch] = {name: len(paths) / float(np.median(values)) for name, values in seconds.items()}
-    return _print(variant, image_size, count, repeats, threads, rates, decode_rate)
+    return _print(variant, image_size, count, repeats, threads, rates, decode_rate, load_seconds)
 
 
-def _print(variant, image_size, count, repeats, threads, rates, decode_rate):
+def _print(variant, image_size, count, repeats, threads, rates, decode_rate, load_seconds):
     flags = cpu_flags()
     print(
         f"Predicting with {variant} at {image_size} px over {count} JPEGs (500x375), median of {repeats}, "
         f"{threads} threads, on {cpu_line(flags)}:"
     )
     print(f"  decoding alone (read, decode, resize, crop; tf.data): {decode_rate:.1f} images/s")
+    print("  loading (once, not timed below): " + ", ".join(f"{n} {s:.1f} s" for n, s in load_seconds.items()))
     ratios = {}
     for batch, by_name in rates.items():
         print(f"  batch {batch}:")
         base = by_name["keras (.keras)"]
         for name, rate in by_name.items():
             decoding = "pixels given" if name.startswith("onnxruntime") else "files"
-            print(f"  {name:22s} {rate:9.2f} images/s {rate / base:6.2f}x   ({decoding})")
+            print(f"  {name:25s} {rate:9.2f} images/s {rate / base:6.2f}x   ({decoding})")
         onnx = {name: rate for name, rate in by_name.items() if name.startswith("onnxruntime")}
         if onnx:
             peer = max(onnx, key=onnx.get)
@@ -105,7 +114,7 @@ def _print(variant, image_size, count, repeats, threads, rates, decode_rate):
             ratios[f"batch {batch}: {best} / {peer}"] = {"ratio": by_name[best] / onnx[peer], "against": peer}
             print(f"  {best} against {peer}: {by_name[best] / onnx[peer]:.2f}x")
     return {
-        "figures": {"images_per_second": rates, "decode_images_per_second": decode_rate, "cpu_flags": flags,
-                    "threads": threads},
+        "figures": {"images_per_second": rates, "decode_images_per_second": decode_rate,
+                    "load_seconds": load_seconds, "cpu_flags": flags, "threads": threads},
         "ratios": ratios,
     }  # fmt: skip

@@ -3,14 +3,16 @@ of the machine's matmul peak in its runtime and precision.
 
 The Keras model (a tf.function), its SavedModel in each precision (float32, bfloat16, int8:
 `export_saved_model(precision=...)`), each TFLite flavour (float32, float16, dynamic-range, int8; LiteRT's
-interpreter, XNNPACK) and, where onnxruntime imports, the model's ONNX export in ONNX Runtime, float32 and
-dynamically quantized to int8 (`onnxruntime.quantization.quantize_dynamic`): the median of --repeats calls
+interpreter, XNNPACK) and, where onnxruntime imports, the model's ONNX export (and, where timm imports, timm's ViT
+of the same architecture exported by PyTorch) in ONNX Runtime, float32 and dynamically quantized to int8
+(`onnxruntime.quantization.quantize_dynamic`): the median of --repeats calls
 after warm-up, all on the same pixels and `threads` threads. Each row's "of peak" is its FLOP/s (the model's
 FLOPs over its latency) against the peak of the same runtime and precision at the model's shapes and batch
 (`peaks.measure_peaks`, timed in the same run); ONNX Runtime's rows have none of ours. Ratios: each artefact
 against the Keras model, and our best SavedModel and TFLite against ONNX Runtime's best.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import keras
 import numpy as np
 
 import keras_vit
+from experiments import peers
 from experiments.benchmark.peaks import measure_peaks, peaks_of, use_threads
 from experiments.benchmark.results import cpu_flags, cpu_line
 from experiments.benchmark.timing import time_calls
@@ -70,28 +73,55 @@ _EXPORT_ONNX = (
 )
 
 
-def onnxruntime_sessions(keras_path, folder, threads):
-    """{name: (function, size)} of the model saved at `keras_path` exported to ONNX and run in ONNX Runtime,
-    float32 and dynamically quantized to int8; {} without onnxruntime."""
+def _timm_pixels(x):
+    """uint8 (batch, height, width, 3) pixels as timm's ViT takes them: NCHW, scaled to [-1, 1] (its mean and
+    standard deviation of 0.5)."""
+    return np.ascontiguousarray((x.astype(np.float32) / 127.5 - 1.0).transpose(0, 3, 1, 2))
+
+
+def timm_peer(variant, image_size, num_classes, timm_python=None):
+    """What `onnxruntime_sessions` needs to export timm's ViT of `variant`'s architecture, where timm imports (in
+    this interpreter or in `timm_python`); else None, and says so."""
+    if timm_python or importlib.util.find_spec("timm"):
+        return keras_vit.parse_variant(variant), image_size, num_classes, timm_python
+    print("timm is not installed here (--timm_python names an interpreter that has it): its ONNX export is left out.")
+    return None
+
+
+def onnxruntime_sessions(keras_path, folder, threads, timm=None):
+    """{name: (function, size)} in ONNX Runtime, float32 and dynamically quantized to int8, of the model saved at
+    `keras_path` exported by `export.export_onnx` and, given `timm` (`timm_peer`'s), of timm's ViT of the same
+    architecture exported by PyTorch ("onnxruntime timm ..."; its calls include scaling the pixels and
+    transposing them to its layout). {} without onnxruntime."""
     try:
         import onnxruntime
         from onnxruntime.quantization import QuantType, quantize_dynamic
     except ImportError:
         return {}
-    float32 = os.path.join(folder, "model.onnx")
-    subprocess.run([sys.executable, "-c", _EXPORT_ONNX, keras_path, float32], check=True, capture_output=True)
-    int8 = os.path.join(folder, "model_int8.onnx")
-    quantize_dynamic(float32, int8, weight_type=QuantType.QInt8)
+    exports = {"onnxruntime": (os.path.join(folder, "model.onnx"), lambda x: x.astype(np.float32))}
+    subprocess.run([sys.executable, "-c", _EXPORT_ONNX, keras_path, exports["onnxruntime"][0]], check=True,
+                   capture_output=True)  # fmt: skip
+    if timm is not None:
+        config, image_size, num_classes, python = timm
+        path = os.path.join(folder, "timm.onnx")
+        versions = peers.export_timm_onnx(config, image_size, num_classes, path, python=python)
+        print(f"timm's ONNX export: timm {versions['timm']}, torch {versions['torch']}")
+        exports["onnxruntime timm"] = (path, _timm_pixels)
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
     functions = {}
-    for name, path in (("onnxruntime float32", float32), ("onnxruntime int8", int8)):
-        session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-        input_name = session.get_inputs()[0].name
-        functions[name] = (
-            lambda x, session=session, input_name=input_name: session.run(None, {input_name: x.astype(np.float32)})[0],
-            os.path.getsize(path),
-        )
+    for prefix, (float32, prepare) in exports.items():
+        int8 = float32.replace(".onnx", "_int8.onnx")
+        quantize_dynamic(float32, int8, weight_type=QuantType.QInt8)
+        for name, path in ((f"{prefix} float32", float32), (f"{prefix} int8", int8)):
+            session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+            input_name = session.get_inputs()[0].name
+            functions[name] = (
+                lambda x, session=session, input_name=input_name, prepare=prepare: session.run(
+                    None, {input_name: prepare(x)}
+                )[0],
+                os.path.getsize(path),
+            )
     return functions
 
 
@@ -107,7 +137,7 @@ def saved_models(model, folder):
     return paths
 
 
-def serving(variant, image_size, repeats, batches=(1,), threads=None):
+def serving(variant, image_size, repeats, batches=(1,), threads=None, timm_python=None):
     """Prints and returns {"figures": {"bytes": {artefact: size}, "seconds": {batch: {artefact: latency}},
     "of_peak": {batch: {artefact: share}}, "peaks": {batch: peaks}, "cpu_flags"}, "ratios"}."""
     import tensorflow as tf
@@ -124,7 +154,7 @@ def serving(variant, image_size, repeats, batches=(1,), threads=None):
         keras_path = os.path.join(tmp, "model.keras")
         model.save(keras_path)
         sizes = {"keras (.keras)": os.path.getsize(keras_path)}
-        peers = onnxruntime_sessions(keras_path, tmp, threads)
+        onnx = onnxruntime_sessions(keras_path, tmp, threads, timm_peer(variant, image_size, 1000, timm_python))
         keras_fn = tf.function(lambda x: model(x, training=False))
         functions = {"keras (.keras)": lambda x: keras_fn(tf.cast(x, tf.float32))}
         for name, saved in saved_models(model, tmp).items():
@@ -139,7 +169,7 @@ def serving(variant, image_size, repeats, batches=(1,), threads=None):
             )  # fmt: skip
             sizes[name] = os.path.getsize(path)
             functions[name] = _litert(path, threads)
-        for name, (function, size) in peers.items():
+        for name, (function, size) in onnx.items():
             functions[name], sizes[name] = function, size
         seconds, shares, peaks = {}, {}, {}
         for batch in batches:
@@ -166,11 +196,11 @@ def _print(variant, image_size, repeats, threads, flags, sizes, seconds, shares)
     ratios = {}
     for batch, medians in seconds.items():
         print(f"  batch {batch}:")
-        print(f"  {'artefact':22s} {'size (MiB)':>10s} {'latency (ms)':>12s} {'vs keras':>9s} {'of peak':>8s}")
+        print(f"  {'artefact':25s} {'size (MiB)':>10s} {'latency (ms)':>12s} {'vs keras':>9s} {'of peak':>8s}")
         base = medians["keras (.keras)"]
         for name, latency in medians.items():
             share = f"{100 * shares[batch][name]:7.1f}%" if name in shares[batch] else f"{'—':>8s}"
-            print(f"  {name:22s} {sizes[name] / 2**20:10.2f} {1000 * latency:12.2f} {base / latency:8.2f}x {share}")
+            print(f"  {name:25s} {sizes[name] / 2**20:10.2f} {1000 * latency:12.2f} {base / latency:8.2f}x {share}")
             ratios[f"batch {batch}: {name} / keras"] = {"ratio": base / latency, "against": "keras (.keras)"}
         onnx = {name: latency for name, latency in medians.items() if name.startswith("onnxruntime")}
         if onnx:
