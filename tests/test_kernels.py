@@ -211,6 +211,13 @@ def test_cpu_inference_layer_norm_matches_the_reference(dtype, tolerance):
         np.testing.assert_allclose(
             tf.cast(got, tf.float32).numpy(), tf.cast(want, tf.float32).numpy(), rtol=tolerance, atol=tolerance
         )
+    # Followed by an add that broadcasts (position embeddings after a patch norm): Grappler would merge it with
+    # `+ beta` and hand the sum to the fused layer norm as its offset, which fails.
+    positions = rng.normal(0.0, 1.0, (1, 7, 40)).astype("float32")
+    then_add = tf.function(lambda x: tf_cpu.layer_norm_for_inference(x, gamma, beta, 1e-6) + tf.cast(positions, dtype))
+    np.testing.assert_allclose(tf.cast(then_add(x), tf.float32).numpy(),
+                               tf.cast(want + tf.cast(positions, dtype), tf.float32).numpy(), rtol=tolerance,
+                               atol=2 * tolerance)  # fmt: skip
 
 
 @tensorflow_only

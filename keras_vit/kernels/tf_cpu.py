@@ -25,6 +25,13 @@ def layer_norm_for_inference(x, gamma, beta, epsilon):
     The optimiser fuses inference graphs only; converters (TFLite, ONNX) and
     GPUs refuse this form (an epsilon below cuDNN's minimum), which is why
     exports trace inside `portable_ops()`.
+
+    The result leaves through a Snapshot: without it, an add that follows (a
+    model without a class token adds the position embeddings to its patch norm's
+    output) is merged with `+ beta` by the arithmetic optimiser, whose sum the
+    layer norm fusion then takes as its offset, and the graph fails with "offset
+    must be 1D" (TensorFlow 2.20 and 2.21). A Snapshot with one consumer hands
+    its buffer on without a copy.
     """
     width = x.shape[-1]
     rows = tf.raw_ops.PlaceholderWithDefault(input=tf.size(x) // width, shape=[])
@@ -41,7 +48,7 @@ def layer_norm_for_inference(x, gamma, beta, epsilon):
         is_training=True,
     ).y
     normalised = tf.reshape(normalised, tf.shape(x))
-    return normalised * ops.cast(gamma, x.dtype) + ops.cast(beta, x.dtype)
+    return tf.raw_ops.Snapshot(input=normalised * ops.cast(gamma, x.dtype) + ops.cast(beta, x.dtype))
 
 
 def layer_norm_for_training(x, gamma, beta, epsilon):
