@@ -18,8 +18,7 @@ import pytest
 from absl import flags
 
 import keras_vit
-from experiments import peers
-from experiments.benchmark import cli, inputs, results, tables
+from experiments.benchmark import cli, inputs, peers, results, tables
 from keras_vit import compat
 from keras_vit.testing import BATCHED_MATMULS, MATMULS, OTHER_PART, hlo_instructions, step_part
 from tests.conftest import ROOT, run_module
@@ -28,7 +27,7 @@ MODULES = ["experiments.benchmark"] + [
     f"experiments.benchmark.{name}"
     for name in (
         "cli", "timing", "throughput", "attention", "profiling", "serving", "peaks", "predict", "inputs", "results",
-        "tables",
+        "tables", "peers",
     )  # fmt: skip
 ]
 TINY = ["--variant=testing", "--image_size=32", "--batch_size=2", "--repeats=2"]

@@ -30,7 +30,7 @@ prints and returns its figures:
   counting (on an accelerator, that fraction is the MFU). With --compare, the
   same architecture from keras-hub (with and without XLA; ours is compared
   with its faster) and timm (PyTorch eager or torch.compile, in a child
-  process, on the GPU when the backend computes on one; `experiments.peers`)
+  process, on the GPU when the backend computes on one; `experiments.benchmark.peers`)
   is measured too, with the ratios ours / peer. The peers are the optional
   `bench` extra.
 - `attention`: the model's forward pass with fused and with explicit

@@ -11,7 +11,7 @@ import sys
 
 from absl import flags
 
-from experiments import peers
+from experiments.benchmark import peers
 
 MODES = (
     "infer", "train", "attention", "profile", "train_profile", "patch_projection", "serving", "input", "peaks",

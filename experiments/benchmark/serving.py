@@ -22,7 +22,7 @@ import keras
 import numpy as np
 
 import keras_vit
-from experiments import peers
+from experiments.benchmark import peers
 from experiments.benchmark.peaks import measure_peaks, peaks_of, use_threads
 from experiments.benchmark.results import cpu_flags, cpu_line
 from experiments.benchmark.timing import time_calls

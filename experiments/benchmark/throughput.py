@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 import keras_vit
-from experiments import peers
+from experiments.benchmark import peers
 from experiments.benchmark.timing import (
     SETTLE_SECONDS,
     machine_name,

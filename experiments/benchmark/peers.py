@@ -4,7 +4,7 @@ r"""Other ViT implementations, built with the same architecture, for the benchma
   in-process with Keras `predict` / `fit` like ours.
 - timm: `timm.models.vision_transformer.VisionTransformer` (PyTorch, with
   `scaled_dot_product_attention`), run in a child process
-  (`python -m experiments.peers --timm ...`): TensorFlow and PyTorch in one
+  (`python -m experiments.benchmark.peers --timm ...`): TensorFlow and PyTorch in one
   process crash on this machine when building a B/16. The parent sends
   "<steps>\n" on stdin, the child runs that many batches and answers with the
   seconds taken, so repetitions still interleave with the other
@@ -148,7 +148,7 @@ def timm_args(config, image_size, batch_size, num_classes, mode, precision, devi
     if python is None:  # Another interpreter checks its own packages, in the child.
         require("timm", "timm")  # A clear error here rather than in the child.
     return [
-        python or sys.executable, "-m", "experiments.peers", "--timm",
+        python or sys.executable, "-m", "experiments.benchmark.peers", "--timm",
         f"--hidden_dim={config.hidden_dim}", f"--num_layers={config.num_layers}",
         f"--num_heads={config.num_heads}", f"--mlp_dim={config.mlp_dim}",
         f"--patch_size={config.patch_size[0]}", f"--image_size={image_size}",
