@@ -8,15 +8,10 @@ from keras_vit import visualize
 from keras_vit.files import write_text_atomically
 
 
-def write_text(path, text):
-    """Writes `text` to `path` (local or gs://) whole or not at all (`keras_vit.files.atomic_path`): under a
-    temporary name, renamed when complete; returns path."""
-    return write_text_atomically(str(path), text)
-
-
 def write_json(path, data):
-    """Writes `data` as indented JSON to `path` (`write_text`); returns path."""
-    return write_text(path, json.dumps(data, indent=2))
+    """Writes `data` as indented JSON to `path` (local or gs://), whole or not at all
+    (`keras_vit.files.write_text_atomically`); returns path."""
+    return write_text_atomically(str(path), json.dumps(data, indent=2))
 
 
 def markdown_table(header, rows):
@@ -37,7 +32,7 @@ def write_outputs(workdir, name, results, table, figure):
     tf.io.gfile.makedirs(workdir)
     paths = [tf.io.gfile.join(workdir, f"{name}.{ext}") for ext in ("json", "md", "png")]
     write_json(paths[0], results)
-    write_text(paths[1], table + "\n")
+    write_text_atomically(str(paths[1]), table + "\n")
     visualize.save_figure(figure, paths[2])
     return paths
 

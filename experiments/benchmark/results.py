@@ -162,23 +162,18 @@ def make_row(mode, config, measured, argv=None, date=None):
     return row
 
 
-def write_text(path, text):
-    """Writes `text` to `path` whole or not at all (`keras_vit.files.write_text_atomically`: under a
-    temporary name beside it, renamed over it when complete; the file keeps its mode)."""
-    from keras_vit.files import write_text_atomically  # Here: reading rows needs no Keras.
-
-    write_text_atomically(path, text)
-
-
 def append_row(path, row):
     """Appends `row` as one JSON line to `path` (made with its folder if missing), rewriting the file
-    with `write_text` so that an interrupted run leaves the previous rows as they were."""
+    whole or not at all (`keras_vit.files.write_text_atomically`) so that an interrupted run leaves the previous
+    rows as they were."""
+    from keras_vit.files import write_text_atomically  # Here: reading rows needs no Keras.
+
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     existing = path.read_text() if path.exists() else ""
     if existing and not existing.endswith("\n"):
         existing += "\n"
-    write_text(path, existing + json.dumps(row, sort_keys=True) + "\n")
+    write_text_atomically(path, existing + json.dumps(row, sort_keys=True) + "\n")
 
 
 def read_rows(path):

@@ -18,7 +18,7 @@ import re
 import string
 import sys
 
-from experiments.benchmark.results import RESULTS, ROOT, read_rows, write_text
+from experiments.benchmark.results import RESULTS, ROOT, read_rows
 
 PAGES = ("README.md", "docs/performance.md", "docs/distributed.md")
 REGION = re.compile(r"(<!-- results:(?P<view>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
@@ -339,7 +339,9 @@ def main(argv=None):
         text = path.read_text()
         updated = render(text)
         if updated != text:
-            write_text(path, updated)
+            from keras_vit.files import write_text_atomically  # Here: checking the tables needs no Keras.
+
+            write_text_atomically(path, updated)
             print(f"Updated {page}")
     return 0
 
