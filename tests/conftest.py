@@ -158,7 +158,7 @@ def digits_job(tmp_path_factory):
     import time
 
     from experiments import jobs, train
-    from tests.test_model_selection import tiny_digits_config
+    from tests.builders import tiny_digits_config
 
     config = tiny_digits_config(epochs=2)
     config.visualize_images = 2

@@ -222,3 +222,61 @@ def vit_forward(params, num_layers, images, classifier="token", rescale=True, at
     if "head/kernel" in params:
         return pooled @ params["head/kernel"] + params["head/bias"]
     return pooled
+
+
+# === big_vision's fixed position embeddings and MAP head ===
+
+
+def posemb_sincos_2d(h, w, width, temperature=10_000.0):
+    """big_vision's `posemb_sincos_2d` (big_vision/models/vit.py) in NumPy: y, x = mgrid[:h, :w],
+    omega = 1 / temperature ** (arange(width // 4) / (width // 4 - 1)), the outer products of the
+    flattened x and y with omega, concatenated as [sin(x), cos(x), sin(y), cos(y)]."""
+    y, x = np.mgrid[:h, :w]
+    omega = np.arange(width // 4) / (width // 4 - 1)
+    omega = 1.0 / temperature**omega
+    y = np.einsum("m,d->md", y.flatten(), omega)
+    x = np.einsum("m,d->md", x.flatten(), omega)
+    return np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1)[None]
+
+
+def map_head(tokens, params, gelu):
+    """big_vision's MAPHead in float64, from its checkpoint arrays (`MAPHead_0/` stripped): a probe
+    (1, 1, D); per-head attention from the probe to the tokens with query/key/value kernels
+    (D, heads, head_dim), biases (heads, head_dim), output kernel (heads, head_dim, D); then
+    x + MLP(LayerNorm(x)) with Flax's epsilon 1e-6; the probe's output."""
+    tokens = np.asarray(tokens, np.float64)
+    attention = "MultiHeadDotProductAttention_0/"
+    probe = np.repeat(params["probe"], len(tokens), axis=0)
+    heads = params[attention + "query/kernel"].shape[1]
+    x = np.zeros_like(probe) + params[attention + "out/bias"]
+    for h in range(heads):
+        q = probe @ params[attention + "query/kernel"][:, h] + params[attention + "query/bias"][h]
+        k = tokens @ params[attention + "key/kernel"][:, h] + params[attention + "key/bias"][h]
+        v = tokens @ params[attention + "value/kernel"][:, h] + params[attention + "value/bias"][h]
+        a = softmax(q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1]))
+        x += (a @ v) @ params[attention + "out/kernel"][h]
+    y = layer_norm(x, params["LayerNorm_0/scale"], params["LayerNorm_0/bias"])
+    y = gelu(y @ params["MlpBlock_0/Dense_0/kernel"] + params["MlpBlock_0/Dense_0/bias"])
+    x = x + y @ params["MlpBlock_0/Dense_1/kernel"] + params["MlpBlock_0/Dense_1/bias"]
+    return x[:, 0]
+
+
+def random_map_head_params(rng, dim, heads, mlp_dim):
+    """Arrays named and shaped as big_vision's MAPHead's (`MAPHead_0/` stripped)."""
+    head_dim = dim // heads
+    shapes = {"probe": (1, 1, dim), "LayerNorm_0/scale": (dim,), "LayerNorm_0/bias": (dim,)}
+    for name in ("query", "key", "value"):
+        shapes[f"MultiHeadDotProductAttention_0/{name}/kernel"] = (dim, heads, head_dim)
+        shapes[f"MultiHeadDotProductAttention_0/{name}/bias"] = (heads, head_dim)
+    shapes["MultiHeadDotProductAttention_0/out/kernel"] = (heads, head_dim, dim)
+    shapes["MultiHeadDotProductAttention_0/out/bias"] = (dim,)
+    for i, (fan_in, fan_out) in enumerate([(dim, mlp_dim), (mlp_dim, dim)]):
+        shapes[f"MlpBlock_0/Dense_{i}/kernel"] = (fan_in, fan_out)
+        shapes[f"MlpBlock_0/Dense_{i}/bias"] = (fan_out,)
+    return {key: rng.normal(0.0, 0.3, shape) + (key == "LayerNorm_0/scale") for key, shape in shapes.items()}
+
+
+def map_head_params(dim, mlp_dim):
+    """The parameters of big_vision's MAPHead: probe, query/key/value/out kernels and biases, the
+    LayerNorm's scale and bias, the MLP's two kernels and biases."""
+    return dim + 4 * (dim * dim + dim) + 2 * dim + (dim * mlp_dim + mlp_dim) + (mlp_dim * dim + dim)

@@ -8,18 +8,7 @@ import numpy as np
 import pytest
 
 from keras_vit import backups, callbacks
-
-
-class StopAfter(keras.callbacks.Callback):
-    """Kills the run (an exception out of `fit`) at the end of epoch `epoch` (0-based), after the backup."""
-
-    def __init__(self, epoch):
-        super().__init__()
-        self.epoch = epoch
-
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch == self.epoch:
-            raise KeyboardInterrupt("killed")
+from tests.builders import StopAfter
 
 
 def make_model():

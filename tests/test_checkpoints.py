@@ -454,8 +454,6 @@ def big_vision_checkpoint(seed, *, posemb="sincos2d", pool="map", dim=16, depth=
     `embedding` conv, `pos_embedding` (1, patches, D) only when learned, `Transformer/encoderblock_i/
     {LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1, MlpBlock_0}`, `Transformer/encoder_norm`,
     `MAPHead_0` for pool_type "map", `cls` for "tok", `head`), under big_vision's `params/` prefix."""
-    from tests.test_layers import random_map_head_params
-
     rng = np.random.default_rng(seed)
     shapes = {"embedding/kernel": (4, 4, 3, dim), "embedding/bias": (dim,), "head/kernel": (dim, classes)}
     shapes["head/bias"] = (classes,)
@@ -478,7 +476,7 @@ def big_vision_checkpoint(seed, *, posemb="sincos2d", pool="map", dim=16, depth=
     shapes["Transformer/encoder_norm/scale"] = shapes["Transformer/encoder_norm/bias"] = (dim,)
     params = {key: rng.normal(0.0, 0.2, shape) + key.endswith("/scale") for key, shape in shapes.items()}
     if pool == "map":
-        params.update({f"MAPHead_0/{k}": v for k, v in random_map_head_params(rng, dim, heads, mlp).items()})
+        params.update({f"MAPHead_0/{k}": v for k, v in numpy_vit.random_map_head_params(rng, dim, heads, mlp).items()})
     return {f"params/{key}": value.astype("float32") for key, value in params.items()}
 
 
@@ -486,15 +484,13 @@ def numpy_big_vision_forward(params, images, gelu):
     """big_vision's ViT forward pass in float64 on its own parameter names: patches, + position
     embeddings (sin-cos if the file has none), then the class token, pre-norm blocks, encoder_norm,
     the MAP head (or the class token, or the mean), head."""
-    from tests.test_layers import numpy_map_head, numpy_posemb_sincos_2d
-
     p = {key[len("params/") :]: np.asarray(value, np.float64) for key, value in params.items()}
     x = np.asarray(images, np.float64) / 127.5 - 1.0
     n, ph, dim = len(x), p["embedding/kernel"].shape[0], p["embedding/kernel"].shape[-1]
     gh, gw = x.shape[1] // ph, x.shape[2] // ph
     x = x.reshape(n, gh, ph, gw, ph, 3).transpose(0, 1, 3, 2, 4, 5).reshape(n, gh * gw, -1)
     x = x @ p["embedding/kernel"].reshape(-1, dim) + p["embedding/bias"]
-    x = x + p.get("pos_embedding", numpy_posemb_sincos_2d(gh, gw, dim))
+    x = x + p.get("pos_embedding", numpy_vit.posemb_sincos_2d(gh, gw, dim))
     if "cls" in p:
         x = np.concatenate([np.repeat(p["cls"], n, axis=0), x], axis=1)
     i = 0
@@ -518,7 +514,7 @@ def numpy_big_vision_forward(params, images, gelu):
     x = numpy_vit.layer_norm(x, p["Transformer/encoder_norm/scale"], p["Transformer/encoder_norm/bias"])
     if "MAPHead_0/probe" in p:
         head = {k[len("MAPHead_0/") :]: v for k, v in p.items() if k.startswith("MAPHead_0/")}
-        pooled = numpy_map_head(x, head, gelu)
+        pooled = numpy_vit.map_head(x, head, gelu)
     else:
         pooled = x[:, 0] if "cls" in p else x.mean(axis=1)
     return pooled @ p["head/kernel"] + p["head/bias"]
@@ -535,13 +531,11 @@ def numpy_big_vision_forward(params, images, gelu):
 def test_big_vision_checkpoint_loads_and_computes_big_visions_forward_pass(tmp_path, posemb, pool, kwargs):
     """A file in big_vision's layout, written with NumPy, loads into the model built with the same
     options (and the tanh GELU) and gives big_vision's outputs within 1e-5; save_npz then load is exact."""
-    from tests.test_layers import numpy_gelu_tanh
-
     params = big_vision_checkpoint(3, posemb=posemb, pool=pool)
     model = small_vit(gelu="tanh", **kwargs)
     assert keras_vit.load_pretrained(model, write(params, tmp_path / "bv.npz")) == []
     images = random_images((3, 16, 16, 3))
-    expected = numpy_big_vision_forward(params, images, numpy_gelu_tanh)
+    expected = numpy_big_vision_forward(params, images, numpy_vit.gelu_tanh)
     got = model.predict(images, verbose=0)
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
     assert np.ptp(expected, axis=0).max() > 0.1

@@ -1,151 +1,14 @@
 import collections
-import io
 import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from PIL import Image
 
 from keras_vit import data as vit_data
-
-
-def write_folder(root, classes=("cat", "dog", "eel"), per_class=6, size=(40, 30), corrupt=()):
-    rng = np.random.default_rng(0)
-    for c, name in enumerate(classes):
-        (root / name).mkdir(parents=True)
-        for i in range(per_class):
-            image = rng.integers(0, 256, (*size, 3)).astype(np.uint8)
-            image[..., c % 3] = 255  # a class-dependent colour
-            encode = tf.io.encode_png if i % 2 else tf.io.encode_jpeg
-            (root / name / f"{i}.{'png' if i % 2 else 'jpg'}").write_bytes(encode(image).numpy())
-    for path in corrupt:
-        (root / path).write_bytes(b"this is not an image at all")
-    return root
-
+from tests.builders import HEIGHT, WIDTH, bad_images, prepare_tfds, write_folder, write_odd_folder
 
 # === Images in every format a folder of photos holds, and files that are not images ===
-
-HEIGHT, WIDTH = 16, 32  # Two 16x16 halves: a JPEG's blocks end where the colours change.
-
-
-def halves(left, right):
-    image = np.empty((HEIGHT, WIDTH, 3), np.uint8)
-    image[:, : WIDTH // 2], image[:, WIDTH // 2 :] = left, right
-    return image
-
-
-def encoded(image, format, **kwargs):
-    buffer = io.BytesIO()
-    image.save(buffer, format, **kwargs)
-    return buffer.getvalue()
-
-
-def palette_image(left, right):
-    image = Image.new("P", (WIDTH, HEIGHT))
-    image.putpalette([*left, *right])
-    image.putdata([0 if x < WIDTH // 2 else 1 for _ in range(HEIGHT) for x in range(WIDTH)])
-    return image
-
-
-def good_images():
-    """{file name: (encoded bytes, the RGB uint8 image it must decode to, tolerance)}, one colour pair each."""
-    files = {}
-    colours = iter([((30 * k + 10) % 256, (70 * k + 40) % 256, (110 * k + 90) % 256) for k in range(40)])
-
-    def pair():
-        return next(colours), next(colours)
-
-    left, right = pair()
-    rgb = halves(left, right)
-    files["rgb.jpg"] = encoded(Image.fromarray(rgb), "JPEG", quality=95, subsampling=0), rgb, 2
-    left, right = pair()
-    rgb = halves(left, right)
-    files["rgb.png"] = encoded(Image.fromarray(rgb), "PNG"), rgb, 0
-    left, right = pair()
-    rgb = halves(left, right)
-    files["cmyk.jpg"] = encoded(Image.fromarray(rgb).convert("CMYK"), "JPEG", quality=95), rgb, 2
-    # 16-bit: the high byte is the colour, the low byte 200 (what a wrap to 8 bits would keep).
-    left, right = pair()
-    rgb = halves(left, right)
-    files["deep.png"] = tf.io.encode_png(rgb.astype(np.uint16) * 256 + 200).numpy(), rgb, 0
-    grey = halves(left[0], right[0] // 2 + 100)[..., :1]
-    files["deep_grey.png"] = (
-        tf.io.encode_png(grey.astype(np.uint16) * 256 + 200).numpy(), np.repeat(grey, 3, -1), 0
-    )
-    left, right = pair()
-    grey = halves(left[1], right[1])[..., 0]
-    files["grey.png"] = encoded(Image.fromarray(grey, "L"), "PNG"), np.repeat(grey[..., None], 3, -1), 0
-    left, right = pair()
-    grey = halves(left[2], right[2])[..., 0]
-    files["grey.jpg"] = encoded(Image.fromarray(grey, "L"), "JPEG", quality=95), np.repeat(grey[..., None], 3, -1), 2
-    left, right = pair()
-    grey = halves(left[0], right[0])[..., 0]
-    alpha = np.full_like(grey, 77)
-    files["grey_alpha.png"] = (
-        encoded(Image.fromarray(np.stack([grey, alpha], -1), "LA"), "PNG"), np.repeat(grey[..., None], 3, -1), 0
-    )
-    # Alpha is dropped, not composited: what PIL's convert("RGB") does too.
-    left, right = pair()
-    rgb = halves(left, right)
-    rgba = np.concatenate([rgb, np.full((HEIGHT, WIDTH, 1), 128, np.uint8)], -1)
-    files["rgba.PNG"] = encoded(Image.fromarray(rgba, "RGBA"), "PNG"), rgb, 0
-    left, right = pair()
-    files["palette.png"] = encoded(palette_image(left, right), "PNG"), halves(left, right), 0
-    left, right = pair()
-    second = palette_image(*pair())
-    files["animated.gif"] = (
-        encoded(palette_image(left, right), "GIF", save_all=True, append_images=[second]), halves(left, right), 0
-    )
-    left, right = pair()
-    rgb = halves(left, right)
-    files["rgb.bmp"] = encoded(Image.fromarray(rgb), "BMP"), rgb, 0
-    left, right = pair()
-    rgb = halves(left, right)
-    files["rgb.webp"] = encoded(Image.fromarray(rgb), "WEBP", lossless=True), rgb, 0
-    return files
-
-
-def bad_images():
-    """{file name: bytes} of files named as images that no decoder reads."""
-    rng = np.random.default_rng(1)
-    noise = rng.integers(0, 256, 600).astype(np.uint8).tobytes()
-    photo = rng.integers(0, 256, (HEIGHT, WIDTH, 3)).astype(np.uint8)
-    png, jpeg = encoded(Image.fromarray(photo), "PNG"), encoded(Image.fromarray(photo), "JPEG")
-    return {
-        "corrupt.png": b"\x89PNG\r\n\x1a\n" + noise,  # a PNG's signature, then garbage
-        "corrupt.jpg": b"\xff\xd8\xff" + noise,
-        "truncated.png": png[: len(png) // 2],
-        "truncated.jpg": jpeg[: len(jpeg) // 2],
-        "wrong_magic.png": noise,
-        "tiff.jpg": encoded(Image.fromarray(photo), "TIFF"),  # a format decode_image does not read
-        "text.jpeg": b"a caption saved with the wrong extension\n",
-        "empty.gif": b"",
-    }
-
-
-def write_odd_folder(root):
-    """train/ holds every good and bad file over two classes, and files not named as images;
-    test/ two good images and a corrupt one. Returns ({path: (image, tolerance, label)}, [bad paths])."""
-    good, bad = {}, []
-    for i, (name, (data, image, tolerance)) in enumerate(good_images().items()):
-        label = i % 2
-        path = root / "train" / "ab"[label] / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        good[str(path)] = image, tolerance, label
-    for i, (name, data) in enumerate(bad_images().items()):
-        path = root / "train" / "ab"[i % 2] / name
-        path.write_bytes(data)
-        bad.append(str(path))
-    (root / "train" / "a" / "notes.txt").write_text("not listed")
-    (root / "train" / "b" / "Thumbs.db").write_bytes(b"\x00" * 16)
-    for label, name in enumerate("ab"):
-        (root / "test" / name).mkdir(parents=True)
-        (root / "test" / name / "x.png").write_bytes(tf.io.encode_png(halves((label * 200,) * 3, (9, 9, 9))).numpy())
-    (root / "test" / "b" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
-    return good, bad
-
 
 def identify(image, good):
     """The path of the good image `image` decodes (the closest), and its largest error."""
@@ -363,37 +226,6 @@ def test_keras_vit_data_exports_every_public_name_of_its_modules():
         assert all(getattr(vit_data, key) is getattr(module, key) for key in public), name
         found |= public
     assert found == exported
-
-
-def prepare_tfds(tmp_path, files, num_shards=None):
-    """A TFDS builder over files the test writes (stored as they are, bad bytes included),
-    prepared into a data_dir under tmp_path; returns the data_dir."""
-    import tensorflow_datasets as tfds
-
-    class TinyColours(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-        VERSION = tfds.core.Version("1.0.0")
-
-        def _info(self):
-            return tfds.core.DatasetInfo(
-                builder=self,
-                features=tfds.features.FeaturesDict(
-                    {"image": tfds.features.Image(shape=(None, None, 3)),
-                     "label": tfds.features.ClassLabel(names=["cat", "dog", "eel"])}
-                ),
-            )
-
-        def _split_generators(self, dl_manager):
-            return {split: self._generate_examples(paths) for split, paths in files.items()}
-
-        def _generate_examples(self, paths):
-            for label, path in paths:
-                yield str(path), {"image": str(path), "label": label}
-
-    data_dir = str(tmp_path / f"tfds{num_shards or ''}")
-    TinyColours(data_dir=data_dir).download_and_prepare(
-        download_config=tfds.download.DownloadConfig(num_shards=num_shards)
-    )
-    return data_dir
 
 
 def test_tfds_by_name_with_data_dir(tmp_path):

@@ -153,7 +153,7 @@ def test_training_through_the_service_runs_the_same_steps(deployed_service, tmp_
     address, journal = deployed_service
     from experiments import train
     from experiments.configs import digits
-    from tests.test_data import write_folder
+    from tests.builders import write_folder
 
     root = write_folder(tmp_path / "images", per_class=10, size=(24, 20), corrupt=["cat/broken.png"])
 

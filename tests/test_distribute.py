@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import sys
 
 import keras
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 
 import keras_vit  # noqa: F401  (registers the classes the saved models need)
+from tests.builders import free_ports
 from tests.conftest import run_together
 
 WORKER = """
@@ -36,16 +36,6 @@ try:
 except jobs.Stopped as stopped:
     print("STOPPED", stopped.exit_code, stopped)
 """
-
-
-def free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def run_workers(workdir, signalled):

@@ -8,6 +8,8 @@ import re
 import keras
 import pytest
 
+from tests.builders import fenced_blocks
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The modules whose docstrings carry examples.
@@ -27,19 +29,9 @@ DOCTEST_MODULES = (
 # The user's pages: README.md and docs/*.md, as paths relative to the repository root.
 PAGES = ["README.md"] + sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "docs").glob("*.md"))
 
-# A fenced block at the start of a line: its language, then its text up to the closing fence.
-FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", flags=re.M | re.S)
 # ```python blocks are executed; ```bash blocks are shell commands (the README's two are checked against
 # .ci/run); ```text is output or plain text. Anything else (```py, ```Python) would go unexecuted unnoticed.
 LANGUAGES = ("python", "bash", "text", "json")
-
-
-def fenced_blocks(text):
-    """(language, first line number of the code, code) of every fenced block of a Markdown text."""
-    return [
-        (match.group(1).strip(), text.count("\n", 0, match.start(2)) + 1, match.group(2))
-        for match in FENCE.finditer(text)
-    ]
 
 
 # Pages whose examples take more than about 10 s on 2 CPU cores (an XLA-compiled training step).

@@ -189,7 +189,7 @@ def test_the_job_writes_the_model_metrics_figures_and_exports(digits_job):
 @pytest.mark.slow
 def test_training_from_a_pretrained_checkpoint_with_a_frozen_backbone(tmp_path):
     from experiments import train
-    from tests.test_model_selection import tiny_digits_config
+    from tests.builders import tiny_digits_config
 
     config = tiny_digits_config(epochs=1)
     config.visualize = False
@@ -386,7 +386,7 @@ def test_training_on_an_image_folder_with_a_remote_workdir(tmp_path):
     system (as gs://)."""
     from experiments import train
     from experiments.configs import digits
-    from tests.test_data import write_folder
+    from tests.builders import write_folder
 
     root = write_folder(tmp_path / "images", per_class=8, corrupt=["cat/broken.png"])
     config = digits.get_config()

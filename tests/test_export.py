@@ -1,7 +1,6 @@
 """Exported artefacts, each run in a process that never imports keras_vit."""
 
 import collections
-import json
 import os
 import pathlib
 import subprocess
@@ -19,26 +18,9 @@ from experiments.configs import digits
 from keras_vit import data as vit_data
 from keras_vit import export
 from keras_vit.testing import random_images, randomize_weights
+from tests.builders import serve_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def serve_all(jobs, folder, env=None):
-    """{name: (kind, artefact, inputs)} served one after the other in one fresh interpreter that never imports
-    keras_vit (tests/serving_check.py), with `env` added to its environment; returns {name: outputs}."""
-    folder.mkdir(parents=True, exist_ok=True)
-    listed = []
-    for name, (kind, artefact, inputs) in jobs.items():
-        np.savez(folder / f"{name}_inputs.npz", **inputs)
-        listed.append([kind, str(artefact), str(folder / f"{name}_inputs.npz"), str(folder / f"{name}_outputs.npz")])
-    (folder / "jobs.json").write_text(json.dumps(listed))
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "serving_check.py"), str(folder / "jobs.json")],
-        capture_output=True, text=True, timeout=600,
-        env={"TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin", **(env or {})},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {name: dict(np.load(folder / f"{name}_outputs.npz", allow_pickle=False)) for name in jobs}
 
 
 def serve(kind, artefact, tmp_path, **inputs):

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import keras_vit
 from keras_vit import backups, callbacks, training
-from tests.test_backups import StopAfter
+from tests.builders import StopAfter
 
 IMAGES = np.random.default_rng(0).integers(0, 256, size=(64, 16, 16, 3)).astype("uint8")
 LABELS = np.eye(4, dtype="float32")[np.arange(64) % 4]
@@ -359,7 +359,7 @@ def test_jax_accumulating_makes_the_large_batch_update_on_one_device_and_data_pa
 
 
 def job_config():
-    from tests.test_model_selection import tiny_digits_config
+    from tests.builders import tiny_digits_config
 
     config = tiny_digits_config(epochs=2)
     config.visualize, config.model.num_layers = False, 2

@@ -1,34 +1,10 @@
 """`count_flops` against the matmuls and convolutions TensorFlow actually runs."""
 
-import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_vit
 from keras_vit.flops import count_flops
-
-
-def graph_flops(model, image_size):
-    """2 x multiply-adds of every MatMul, BatchMatMul and Conv2D in the traced forward pass."""
-    height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
-    spec = tf.TensorSpec((1, height, width, model.input_shape[-1]), tf.float32)
-    graph = tf.function(lambda x: model(x, training=False)).get_concrete_function(spec).graph
-    total = 0
-    for op in graph.get_operations():
-        if op.type == "MatMul":
-            a, b = (t.shape.as_list() for t in op.inputs)
-            m, k = a[::-1] if op.get_attr("transpose_a") else a
-            n = b[0] if op.get_attr("transpose_b") else b[1]
-            total += 2 * m * k * n
-        elif op.type in ("BatchMatMulV2", "BatchMatMulV3"):
-            a, b = (t.shape.as_list() for t in op.inputs)
-            m, k = a[-1:-3:-1] if op.get_attr("adj_x") else a[-2:]
-            n = b[-2] if op.get_attr("adj_y") else b[-1]
-            total += 2 * int(np.prod(np.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2])))) * m * k * n
-        elif op.type == "Conv2D":
-            kernel = op.inputs[1].shape.as_list()
-            total += 2 * int(np.prod(op.outputs[0].shape.as_list())) * int(np.prod(kernel[:3]))
-    return total
+from tests.builders import graph_flops
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import pytest
 from keras_vit import layers as vit_layers
 from keras_vit import resnet
 from keras_vit.testing import random_images
+from tests import numpy_vit
 
 BASE_LAYER_KEYS = {"name", "trainable", "dtype"}
 
@@ -250,11 +251,6 @@ def test_training_gradients_match_the_straightforward_formulation():
 # === GELU ===
 
 
-def numpy_gelu_tanh(x):
-    """Hendrycks & Gimpel's tanh approximation of GELU, in float64."""
-    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
-
-
 def numpy_gelu_exact(x):
     from scipy.special import erf
 
@@ -276,7 +272,7 @@ def test_tanh_gelu_dense_matches_numpy_in_every_form():
     dense.build(x.shape)
     dense.set_weights([rng.normal(0.0, 1.0, (8, 6)), rng.normal(0.0, 1.0, (6,))])
     pre = x.astype(np.float64) @ dense.kernel.numpy().astype(np.float64) + dense.bias.numpy()
-    expected = numpy_gelu_tanh(pre)
+    expected = numpy_vit.gelu_tanh(pre)
     with kernels.portable_ops():
         portable = keras.ops.convert_to_numpy(dense(x))
     for got in (keras.ops.convert_to_numpy(dense(x)), tf.function(dense)(x).numpy(), portable):
@@ -286,7 +282,7 @@ def test_tanh_gelu_dense_matches_numpy_in_every_form():
     assert clone.activation is gelu_tanh
 
 
-@pytest.mark.parametrize("gelu, function", [("exact", numpy_gelu_exact), ("tanh", numpy_gelu_tanh)])
+@pytest.mark.parametrize("gelu, function", [("exact", numpy_gelu_exact), ("tanh", numpy_vit.gelu_tanh)])
 def test_transformer_block_gelu_option(gelu, function):
     """The block's MLP computes the GELU it was built with."""
     block = vit_layers.TransformerBlock(num_heads=2, mlp_dim=16, gelu=gelu)
@@ -302,23 +298,11 @@ def test_transformer_block_gelu_option(gelu, function):
 # === Fixed 2-D sin-cos position embeddings ===
 
 
-def numpy_posemb_sincos_2d(h, w, width, temperature=10_000.0):
-    """big_vision's `posemb_sincos_2d` (big_vision/models/vit.py) in NumPy: y, x = mgrid[:h, :w],
-    omega = 1 / temperature ** (arange(width // 4) / (width // 4 - 1)), the outer products of the
-    flattened x and y with omega, concatenated as [sin(x), cos(x), sin(y), cos(y)]."""
-    y, x = np.mgrid[:h, :w]
-    omega = np.arange(width // 4) / (width // 4 - 1)
-    omega = 1.0 / temperature**omega
-    y = np.einsum("m,d->md", y.flatten(), omega)
-    x = np.einsum("m,d->md", x.flatten(), omega)
-    return np.concatenate([np.sin(x), np.cos(x), np.sin(y), np.cos(y)], axis=1)[None]
-
-
 @pytest.mark.parametrize("grid, width", [((4, 4), 16), ((3, 5), 8), ((7, 2), 64)])
 def test_sincos_position_embeddings_are_big_visions_formula(grid, width):
     got = vit_layers.sincos_position_embedding(grid, width)
     assert got.dtype == np.float32 and got.shape == (grid[0] * grid[1], width)
-    np.testing.assert_allclose(got[None], numpy_posemb_sincos_2d(*grid, width), atol=1e-6)
+    np.testing.assert_allclose(got[None], numpy_vit.posemb_sincos_2d(*grid, width), atol=1e-6)
 
 
 @pytest.mark.parametrize("use_class_token", [True, False])
@@ -330,7 +314,7 @@ def test_sincos_patch_encoder_adds_the_fixed_embeddings(use_class_token):
     encoder.build(images.shape)
     assert [w.name for w in encoder.weights] == ["kernel", "bias"] + ["class_token"] * use_class_token
     encoder.kernel.assign(np.zeros(encoder.kernel.shape))
-    expected = numpy_posemb_sincos_2d(2, 6, 16)
+    expected = numpy_vit.posemb_sincos_2d(2, 6, 16)
     if use_class_token:
         expected = np.concatenate([np.zeros((1, 1, 16)), expected], axis=1)
     tokens = keras.ops.convert_to_numpy(encoder(images))
@@ -341,70 +325,25 @@ def test_sincos_patch_encoder_adds_the_fixed_embeddings(use_class_token):
 # === MAP head ===
 
 
-def numpy_map_head(tokens, params, gelu):
-    """big_vision's MAPHead in float64, from its checkpoint arrays (`MAPHead_0/` stripped): a probe
-    (1, 1, D); per-head attention from the probe to the tokens with query/key/value kernels
-    (D, heads, head_dim), biases (heads, head_dim), output kernel (heads, head_dim, D); then
-    x + MLP(LayerNorm(x)) with Flax's epsilon 1e-6; the probe's output."""
-    from tests import numpy_vit
-
-    tokens = np.asarray(tokens, np.float64)
-    attention = "MultiHeadDotProductAttention_0/"
-    probe = np.repeat(params["probe"], len(tokens), axis=0)
-    heads = params[attention + "query/kernel"].shape[1]
-    x = np.zeros_like(probe) + params[attention + "out/bias"]
-    for h in range(heads):
-        q = probe @ params[attention + "query/kernel"][:, h] + params[attention + "query/bias"][h]
-        k = tokens @ params[attention + "key/kernel"][:, h] + params[attention + "key/bias"][h]
-        v = tokens @ params[attention + "value/kernel"][:, h] + params[attention + "value/bias"][h]
-        a = numpy_vit.softmax(q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1]))
-        x += (a @ v) @ params[attention + "out/kernel"][h]
-    y = numpy_vit.layer_norm(x, params["LayerNorm_0/scale"], params["LayerNorm_0/bias"])
-    y = gelu(y @ params["MlpBlock_0/Dense_0/kernel"] + params["MlpBlock_0/Dense_0/bias"])
-    x = x + y @ params["MlpBlock_0/Dense_1/kernel"] + params["MlpBlock_0/Dense_1/bias"]
-    return x[:, 0]
-
-
-def random_map_head_params(rng, dim, heads, mlp_dim):
-    """Arrays named and shaped as big_vision's MAPHead's (`MAPHead_0/` stripped)."""
-    head_dim = dim // heads
-    shapes = {"probe": (1, 1, dim), "LayerNorm_0/scale": (dim,), "LayerNorm_0/bias": (dim,)}
-    for name in ("query", "key", "value"):
-        shapes[f"MultiHeadDotProductAttention_0/{name}/kernel"] = (dim, heads, head_dim)
-        shapes[f"MultiHeadDotProductAttention_0/{name}/bias"] = (heads, head_dim)
-    shapes["MultiHeadDotProductAttention_0/out/kernel"] = (heads, head_dim, dim)
-    shapes["MultiHeadDotProductAttention_0/out/bias"] = (dim,)
-    for i, (fan_in, fan_out) in enumerate([(dim, mlp_dim), (mlp_dim, dim)]):
-        shapes[f"MlpBlock_0/Dense_{i}/kernel"] = (fan_in, fan_out)
-        shapes[f"MlpBlock_0/Dense_{i}/bias"] = (fan_out,)
-    return {key: rng.normal(0.0, 0.3, shape) + (key == "LayerNorm_0/scale") for key, shape in shapes.items()}
-
-
-def map_head_params(dim, mlp_dim):
-    """The parameters of big_vision's MAPHead: probe, query/key/value/out kernels and biases, the
-    LayerNorm's scale and bias, the MLP's two kernels and biases."""
-    return dim + 4 * (dim * dim + dim) + 2 * dim + (dim * mlp_dim + mlp_dim) + (mlp_dim * dim + dim)
-
-
-@pytest.mark.parametrize("gelu, function", [("exact", numpy_gelu_exact), ("tanh", numpy_gelu_tanh)])
+@pytest.mark.parametrize("gelu, function", [("exact", numpy_gelu_exact), ("tanh", numpy_vit.gelu_tanh)])
 def test_map_head_matches_numpy_reference(gelu, function):
     from keras_vit import checkpoints
 
     dim, heads, mlp_dim = 16, 4, 24
     rng = np.random.default_rng(2)
-    params = random_map_head_params(rng, dim, heads, mlp_dim)
-    assert sum(v.size for v in params.values()) == map_head_params(dim, mlp_dim)
+    params = numpy_vit.random_map_head_params(rng, dim, heads, mlp_dim)
+    assert sum(v.size for v in params.values()) == numpy_vit.map_head_params(dim, mlp_dim)
     head = vit_layers.MAPHead(heads, mlp_dim, gelu=gelu)
     tokens = rng.normal(0.0, 1.0, (3, 7, dim)).astype("float32")
     head.build(tokens.shape)
-    assert head.count_params() == map_head_params(dim, mlp_dim)
+    assert head.count_params() == numpy_vit.map_head_params(dim, mlp_dim)
     # The checkpoint converter's mapping (big_vision names -> this layer's weights).
     shapes = {f"pooling/{w.path.split('/', 1)[1]}": tuple(w.shape) for w in head.weights}
     canonical = {f"MAPHead_0/{key}": value for key, value in params.items()}
     weights, _ = checkpoints.convert_checkpoint(canonical, shapes, (1, 1))
     for weight in head.weights:
         weight.assign(weights[f"pooling/{weight.path.split('/', 1)[1]}"])
-    expected = numpy_map_head(tokens, params, function)
+    expected = numpy_vit.map_head(tokens, params, function)
     got = keras.ops.convert_to_numpy(head(tokens))
     assert got.shape == (3, dim)
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)

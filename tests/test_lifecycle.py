@@ -18,8 +18,8 @@ import keras_vit
 from keras_vit import backups, callbacks
 from keras_vit import data as vit_data
 from keras_vit.callbacks import Backup, StopOnSignal, StoppedBySignal
+from tests.builders import prepare_tfds, write_folder, write_odd_folder
 from tests.conftest import ROOT, run_command_line, run_together, tensorboard_scalars
-from tests.test_data import prepare_tfds, write_folder, write_odd_folder
 
 # === The data: a function of the position in the stream ===
 
@@ -311,7 +311,7 @@ print("RESULT " + json.dumps({"signal": stop.signal_number, "step": backup.step,
 def run_jax_processes(mode, folder):
     """Two JAX processes on 127.0.0.1 with a data-parallel `keras.distribution` across them, each fitting
     the model with a backup in `folder`-INDEX: their RESULT lines."""
-    from tests.test_distribute import free_ports
+    from tests.builders import free_ports
 
     addresses = ",".join(f"127.0.0.1:{port}" for port in free_ports(2))
     commands = []

@@ -9,6 +9,7 @@ import tensorflow as tf
 import keras_vit
 from keras_vit.testing import random_images, randomize_weights
 from tests import numpy_vit
+from tests.builders import PARAMS_GAP, graph_flops
 
 SMALL = dict(hidden_dim=16, num_layers=2, num_heads=4, mlp_dim=32, patch_size=4)
 
@@ -483,11 +484,9 @@ def test_sincos_model_is_the_learned_model_with_big_visions_embeddings(classifie
     """A sincos2d model computes what a learned-embedding model (itself checked against the NumPy
     reference) computes with its position embeddings set to big_vision's formula, on a rectangular
     grid; the class token gets no position."""
-    from tests.test_layers import numpy_posemb_sincos_2d
-
     fixed = randomize_weights(small_vit(classifier=classifier, position_embedding="sincos2d"))
     learned = small_vit(classifier=classifier)
-    posemb = numpy_posemb_sincos_2d(2, 3, 16)
+    posemb = numpy_vit.posemb_sincos_2d(2, 3, 16)
     if classifier == "token":
         posemb = np.concatenate([np.zeros((1, 1, 16)), posemb], axis=1)
     by_name = {v.path: v for v in fixed.weights}
@@ -501,8 +500,6 @@ def test_sincos_model_is_the_learned_model_with_big_visions_embeddings(classifie
 
 
 def test_map_model_pools_the_encoder_tokens_with_the_map_head():
-    from tests.test_layers import numpy_map_head
-
     model = randomize_weights(small_vit(classifier="map", gelu="tanh"))
     assert model.get_layer("patch_encoder").use_class_token is False
     images = random_images((3, 8, 12, 3))
@@ -515,21 +512,18 @@ def test_map_model_pools_the_encoder_tokens_with_the_map_head():
     params = {key[len("MAPHead_0/") :]: value.astype(np.float64) for key, value in params.items()}
     tanh = lambda x: 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))  # noqa: E731
     head = model.get_layer("head")
-    expected = numpy_map_head(tokens, params, tanh) @ head.kernel.numpy() + head.bias.numpy()
+    expected = numpy_vit.map_head(tokens, params, tanh) @ head.kernel.numpy() + head.bias.numpy()
     np.testing.assert_allclose(model.predict(images, verbose=0), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_parameter_counts_of_the_better_plain_vit_models():
     """S/16 with fixed position embeddings: the GAP model (big_vision's "Better plain ViT baselines")
     has the GAP count less the learned embeddings; the MAP model adds big_vision's MAPHead."""
-    from tests.test_layers import map_head_params
-    from tests.test_variants import PARAMS_GAP
-
     posemb = 196 * 384
     gap = keras_vit.build_vit("S/16", classifier="gap", position_embedding="sincos2d")
     assert gap.count_params() == PARAMS_GAP["S/16"] - posemb == 21_974_632
     mapped = keras_vit.build_vit("S/16", classifier="map", position_embedding="sincos2d")
-    assert mapped.count_params() == PARAMS_GAP["S/16"] - posemb + map_head_params(384, 1536)
+    assert mapped.count_params() == PARAMS_GAP["S/16"] - posemb + numpy_vit.map_head_params(384, 1536)
     keras.backend.clear_session()
 
 
@@ -538,14 +532,12 @@ def test_map_and_sincos_models_through_the_model_utilities(kwargs):
     """set_image_size (sin-cos embeddings computed for the new grid, not resampled), replace_head,
     freeze_backbone, count_flops, the layout map and the attention maps work for these options."""
     from keras_vit import parallel, visualize
-    from tests.test_flops import graph_flops
-    from tests.test_layers import numpy_posemb_sincos_2d
 
     model = randomize_weights(small_vit(**kwargs))
     bigger = keras_vit.set_image_size(model, (12, 16))
     encoder = bigger.get_layer("patch_encoder")
     if kwargs.get("position_embedding") == "sincos2d":
-        np.testing.assert_allclose(encoder.position_embedding, numpy_posemb_sincos_2d(3, 4, 16), atol=1e-6)
+        np.testing.assert_allclose(encoder.position_embedding, numpy_vit.posemb_sincos_2d(3, 4, 16), atol=1e-6)
     direct = small_vit(image_size=(12, 16), **kwargs)
     direct.set_weights(bigger.get_weights())
     images = random_images((2, 12, 16, 3))

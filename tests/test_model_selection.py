@@ -14,7 +14,7 @@ from experiments import datasets, evaluations, models, train
 from experiments.configs import digits as digits_config
 from keras_vit import callbacks
 from keras_vit import data as vit_data
-from tests.test_data import prepare_tfds, write_folder
+from tests.builders import prepare_tfds, tiny_digits_config, write_folder
 
 
 def fingerprints(split):
@@ -272,14 +272,6 @@ def watched(ds, reads, label, over, epochs=None):
             return tuple(tf.identity(t) for t in element)
 
     return ds.map(mark)
-
-
-def tiny_digits_config(epochs=2):
-    config = digits_config.get_config()
-    config.epochs, config.visualize, config.jit_compile = epochs, True, "off"
-    config.visualize_images = 1
-    config.model.num_layers, config.model.hidden_dim, config.model.mlp_dim, config.model.num_heads = 1, 16, 32, 2
-    return config
 
 
 def run_watched(config, workdir, monkeypatch):

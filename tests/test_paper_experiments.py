@@ -11,8 +11,8 @@ import pytest
 from experiments import baselines, datasets, models, scaling, short_runs, transfer
 from keras_vit import data as vit_data
 from keras_vit.checkpoints import read_npz
+from tests.builders import write_folder
 from tests.conftest import run_module
-from tests.test_data import write_folder
 
 # === Where two curves cross ===
 

@@ -20,55 +20,23 @@ from keras_vit.layers.embedding import antialiased_bicubic_weights
 from keras_vit.pretrained import PretrainedError
 from keras_vit.testing import random_images, randomize_weights
 from tests import numpy_vit
+from tests.builders import (
+    CLASSES,
+    HEADS,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    LAYERS,
+    MLP,
+    PATCH,
+    SIDE,
+    D,
+    hand_written_state_dict,
+    serve_all,
+    timm_folder,
+    timm_python,
+    transformers_numpy_params,
+)
 from tests.conftest import run_command_line
-from tests.test_export import serve_all
-from tests.test_timm_weights import timm_python
-from tests.test_transformers_weights import CLASSES, HEADS, LAYERS, MLP, PATCH, SIDE, D, hand_written_state_dict
-from tests.test_transformers_weights import numpy_params as transformers_numpy_params
-
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-
-
-def timm_state_dict(state):
-    """transformers' hand-written arrays under timm's names (timm's VisionTransformer: fused qkv, `blocks.{i}`)."""
-    timm = {
-        "cls_token": state["vit.embeddings.cls_token"],
-        "pos_embed": state["vit.embeddings.position_embeddings"],
-        "patch_embed.proj.weight": state["vit.embeddings.patch_embeddings.projection.weight"],
-        "patch_embed.proj.bias": state["vit.embeddings.patch_embeddings.projection.bias"],
-        "norm.weight": state["vit.layernorm.weight"], "norm.bias": state["vit.layernorm.bias"],
-        "head.weight": state["classifier.weight"], "head.bias": state["classifier.bias"],
-    }
-    for i in range(LAYERS):
-        layer, block = f"vit.encoder.layer.{i}.", f"blocks.{i}."
-        for kind in ("weight", "bias"):
-            timm[block + f"attn.qkv.{kind}"] = np.concatenate(
-                [state[layer + f"attention.attention.{name}.{kind}"] for name in ("query", "key", "value")]
-            )
-            for ours, theirs in (("attn.proj", "attention.output.dense"), ("mlp.fc1", "intermediate.dense"),
-                                 ("mlp.fc2", "output.dense"), ("norm1", "layernorm_before"),
-                                 ("norm2", "layernorm_after")):
-                timm[block + f"{ours}.{kind}"] = state[layer + f"{theirs}.{kind}"]
-    return timm
-
-
-def timm_folder(path, architecture="deit_tiny_patch16_224", model_args=None, **config):
-    """A folder as timm's `push_to_hf_hub` writes it: model.safetensors and config.json."""
-    path.mkdir(parents=True, exist_ok=True)
-    state = hand_written_state_dict()
-    save_file(timm_state_dict(state), str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = {
-        "architecture": architecture,
-        "num_classes": CLASSES,
-        "global_pool": "token",
-        "model_args": {"img_size": SIDE, "patch_size": PATCH, "embed_dim": D, "depth": LAYERS, **(model_args or {})},
-        "pretrained_cfg": {"input_size": [3, SIDE, SIDE], "interpolation": "bicubic", "crop_pct": 0.9,
-                           "crop_mode": "center", "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
-        "label_names": [f"timm {i}" for i in range(CLASSES)],
-        **config,
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    return state
 
 
 def transformers_folder(path, preprocessor=True, **config):

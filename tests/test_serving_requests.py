@@ -18,7 +18,7 @@ from keras_vit import export
 from keras_vit.data import center_crop_resize
 from keras_vit.testing import randomize_weights
 from tests import tf_serving_json
-from tests.test_docs import fenced_blocks
+from tests.builders import fenced_blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLASS_NAMES = ["tabby", "tiger cat", "Egyptian cat", "lynx"]

@@ -1,11 +1,8 @@
 """timm's ViT weights (.safetensors and .npz state dicts): names, round trips, resampling, parity with timm."""
 
-import importlib.util
 import json
-import os
 import pathlib
 import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -15,6 +12,7 @@ import keras_vit
 from keras_vit import checkpoints
 from keras_vit.checkpoints import timm as timm_weights
 from keras_vit.testing import random_images, randomize_weights
+from tests.builders import timm_python
 
 SMALL = dict(hidden_dim=16, num_layers=2, num_heads=4, mlp_dim=64, patch_size=4)
 
@@ -402,16 +400,6 @@ SIZES = {
     "distilled": [(16, 16), (24, 20)],
     "parallel": [(16, 16), (24, 24)],
 }
-
-
-def timm_python():
-    """A Python with timm: $KERAS_VIT_TIMM_PYTHON, else this one if timm is installed (not imported here)."""
-    python = os.environ.get("KERAS_VIT_TIMM_PYTHON")
-    if python:
-        return python
-    if importlib.util.find_spec("timm") is None:
-        pytest.skip("timm is not installed (pip install timm, or set KERAS_VIT_TIMM_PYTHON to a Python that has it)")
-    return sys.executable
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,18 @@ from safetensors.numpy import save_file
 import keras_vit
 from keras_vit import checkpoints
 from keras_vit.testing import random_images, randomize_weights
+from tests.builders import (
+    CLASSES,
+    HEADS,
+    LAYERS,
+    MLP,
+    PATCH,
+    SIDE,
+    D,
+    hand_written_state_dict,
+    transformers_numpy_params,
+)
 from tests.numpy_vit import vit_forward
-
-D, HEADS, MLP, LAYERS, PATCH, SIDE, CLASSES = 12, 3, 20, 2, 8, 24, 5
 
 
 def small_vit(**kwargs):
@@ -36,61 +45,6 @@ def transformers_keys(layers, prefix="vit."):
     return keys + [f"{prefix}layernorm.weight", f"{prefix}layernorm.bias", "classifier.weight", "classifier.bias"]
 
 
-def hand_written_state_dict(seed=0):
-    """Random arrays in transformers' layouts: Linear weights (out, in), the patch convolution (D, C, P, P)."""
-    rng = np.random.default_rng(seed)
-    tokens = (SIDE // PATCH) ** 2 + 1
-    shapes = {"vit.embeddings.cls_token": (1, 1, D), "vit.embeddings.position_embeddings": (1, tokens, D),
-              "vit.embeddings.patch_embeddings.projection.weight": (D, 3, PATCH, PATCH),
-              "vit.embeddings.patch_embeddings.projection.bias": (D,),
-              "vit.layernorm.weight": (D,), "vit.layernorm.bias": (D,),
-              "classifier.weight": (CLASSES, D), "classifier.bias": (CLASSES,)}
-    for i in range(LAYERS):
-        layer = f"vit.encoder.layer.{i}."
-        for name in ("query", "key", "value"):
-            shapes[layer + f"attention.attention.{name}.weight"] = (D, D)
-            shapes[layer + f"attention.attention.{name}.bias"] = (D,)
-        shapes.update({layer + "attention.output.dense.weight": (D, D), layer + "attention.output.dense.bias": (D,),
-                       layer + "intermediate.dense.weight": (MLP, D), layer + "intermediate.dense.bias": (MLP,),
-                       layer + "output.dense.weight": (D, MLP), layer + "output.dense.bias": (D,)})
-        for norm in ("layernorm_before", "layernorm_after"):
-            shapes[layer + f"{norm}.weight"], shapes[layer + f"{norm}.bias"] = (D,), (D,)
-    state = {key: rng.normal(0, 0.3, shape).astype(np.float32) for key, shape in shapes.items()}
-    for key in state:
-        if "layernorm" in key and key.endswith("weight"):
-            state[key] += 1.0
-    return state
-
-
-def numpy_params(state):
-    """The hand-written state dict in the NumPy reference's names, from transformers' definitions:
-    a Linear computes x @ weight.T + bias; heads are consecutive slices of the hidden size."""
-    head_dim = D // HEADS
-    p = {
-        "cls": state["vit.embeddings.cls_token"],
-        "pos_embedding": state["vit.embeddings.position_embeddings"],
-        "embedding/kernel": state["vit.embeddings.patch_embeddings.projection.weight"].transpose(2, 3, 1, 0),
-        "embedding/bias": state["vit.embeddings.patch_embeddings.projection.bias"],
-        "encoder_norm/scale": state["vit.layernorm.weight"], "encoder_norm/bias": state["vit.layernorm.bias"],
-        "head/kernel": state["classifier.weight"].T, "head/bias": state["classifier.bias"],
-    }
-    for i in range(LAYERS):
-        layer, block = f"vit.encoder.layer.{i}.", f"encoderblock_{i}/"
-        for name in ("query", "key", "value"):
-            weight = state[layer + f"attention.attention.{name}.weight"]
-            p[block + f"{name}/kernel"] = weight.T.reshape(D, HEADS, head_dim)
-            p[block + f"{name}/bias"] = state[layer + f"attention.attention.{name}.bias"].reshape(HEADS, head_dim)
-        p[block + "out/kernel"] = state[layer + "attention.output.dense.weight"].T.reshape(HEADS, head_dim, D)
-        p[block + "out/bias"] = state[layer + "attention.output.dense.bias"]
-        for ours, theirs in (("Dense_0", "intermediate.dense"), ("Dense_1", "output.dense")):
-            p[block + f"{ours}/kernel"] = state[layer + f"{theirs}.weight"].T
-            p[block + f"{ours}/bias"] = state[layer + f"{theirs}.bias"]
-        for ours, theirs in (("LayerNorm_0", "layernorm_before"), ("LayerNorm_2", "layernorm_after")):
-            p[block + f"{ours}/scale"] = state[layer + f"{theirs}.weight"]
-            p[block + f"{ours}/bias"] = state[layer + f"{theirs}.bias"]
-    return {key: np.asarray(value, np.float64) for key, value in p.items()}
-
-
 def test_a_file_in_transformers_names_gives_the_numpy_forward_pass(tmp_path):
     state = hand_written_state_dict()
     assert sorted(state) == sorted(transformers_keys(LAYERS))
@@ -98,7 +52,7 @@ def test_a_file_in_transformers_names_gives_the_numpy_forward_pass(tmp_path):
     model = small_vit()
     assert keras_vit.load_pretrained(model, str(tmp_path / "model.safetensors")) == []
     images = random_images((3, SIDE, SIDE, 3), seed=1)
-    expected = vit_forward(numpy_params(state), LAYERS, images)
+    expected = vit_forward(transformers_numpy_params(state), LAYERS, images)
     np.testing.assert_allclose(model.predict(images, verbose=0), expected, atol=1e-4)
     assert np.ptp(expected, axis=0).max() > 0.1  # the images are told apart: the check can fail
 

@@ -3,6 +3,7 @@ import pytest
 
 import keras_vit
 from keras_vit.variants import MODEL_SIZES
+from tests.builders import PARAMS_GAP
 
 # Exact parameter counts: 1000-class head, 224 px, no pre-logits. Source:
 # google-research/vision_transformer vit_jax/models_test.py (also the ViT paper, Table 1).
@@ -22,12 +23,6 @@ PARAMS_TOKEN = {
     "R26+B/32": 101_383_976,
     "R50+B/16": 98_659_112,
     "R50+L/32": 328_994_856,
-}
-PARAMS_GAP = {
-    "S/16": 22_049_896,
-    "S/32": 22_878_184,
-    "B/16": 86_566_120,
-    "B/32": 88_222_696,
 }
 
 

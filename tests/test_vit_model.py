@@ -13,10 +13,8 @@ import pytest
 import keras_vit
 from keras_vit import ViT, ViTSpec
 from keras_vit.testing import random_images, randomize_weights
+from tests.builders import CLASSES, IMAGENET_MEAN, IMAGENET_STD, SIDE, serve_all, timm_folder
 from tests.conftest import ROOT
-from tests.test_export import serve_all
-from tests.test_pretrained import IMAGENET_MEAN, IMAGENET_STD, timm_folder
-from tests.test_transformers_weights import CLASSES, SIDE
 
 # In a fresh interpreter: the saved model loaded with Keras' own function (keras_vit imported, no custom_objects),
 # what it says of itself, its logits, the pixels its preprocessing makes of a photo, and its SavedModel.
