@@ -209,6 +209,9 @@ def prepare_tfds(tmp_path, files, num_shards=None):
 # The size of the hand-written transformers state dict (hidden size, heads, MLP width, layers, patch, image side,
 # classes).
 D, HEADS, MLP, LAYERS, PATCH, SIDE, CLASSES = 12, 3, 20, 2, 8, 24, 5
+# The options that give `small_vit` that size.
+HAND_WRITTEN = dict(image_size=SIDE, patch_size=PATCH, hidden_dim=D, num_heads=HEADS, mlp_dim=MLP, num_layers=LAYERS,
+                    num_classes=CLASSES)
 
 
 def hand_written_state_dict(seed=0):

@@ -8,14 +8,7 @@ import keras_vit
 from keras_vit import checkpoints
 from keras_vit.testing import random_images, randomize_weights
 from tests import numpy_vit
-
-SMALL = dict(hidden_dim=16, num_layers=2, num_heads=4, mlp_dim=32, patch_size=4)
-
-
-def small_vit(image_size=16, **kwargs):
-    args = dict(SMALL, image_size=image_size, num_classes=5, head_kernel_initializer="glorot_uniform")
-    args.update(kwargs)
-    return keras_vit.build_vit("testing", **args)
+from tests.builders import small_vit
 
 
 def weights_of(model):
@@ -689,9 +682,7 @@ def test_set_patch_size_gives_a_model_that_sees_the_upsampled_image_as_the_origi
     from keras_vit.checkpoints.resample import interpolation_matrix
 
     names = [f"c{i}" for i in range(5)]
-    model = randomize_weights(keras_vit.build_vit("testing", image_size=16, num_classes=5, hidden_dim=16, num_layers=2,
-                                                  num_heads=4, mlp_dim=32, patch_size=4, class_names=names,
-                                                  num_registers=2))  # fmt: skip
+    model = randomize_weights(small_vit(class_names=names, num_registers=2))
     images = random_images((2, 16, 16, 3))
     resize = interpolation_matrix(4, 8, "bicubic_antialias")  # (8, 4)
     patches = images.reshape(2, 4, 4, 4, 4, 3)  # (batch, grid row, row, grid column, column, channel)

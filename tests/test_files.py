@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import keras_vit
 from keras_vit import callbacks, export
 from keras_vit.checkpoints import read_checkpoint
 from keras_vit.files import atomic_path, write_bytes_atomically, write_text_atomically
+from tests.builders import small_vit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIMIT = 8192
@@ -228,14 +228,8 @@ def test_a_folder_is_replaced_whole_or_not_at_all(tmp_path, root):
         tf.io.gfile.rmtree(parent)
 
 
-def tiny_vit():
-    return keras_vit.build_vit(
-        "testing", image_size=16, patch_size=4, hidden_dim=16, num_layers=1, num_heads=2, mlp_dim=32, num_classes=3
-    )
-
-
 def test_export_keeps_the_previous_saved_model_when_saving_fails(tmp_path, monkeypatch):
-    model = tiny_vit()
+    model = small_vit(num_classes=3)  # The three class names below.
     path = export.export_saved_model(model, tmp_path / "sm")
     before = tree(path)
     save = tf.saved_model.save
@@ -258,7 +252,7 @@ def test_export_keeps_the_previous_saved_model_when_saving_fails(tmp_path, monke
 
 
 def test_the_checkpoint_callback_saves_only_better_epochs(tmp_path):
-    model = tiny_vit()
+    model = small_vit()
     path = tmp_path / "best.keras"
     checkpoint = callbacks.AtomicModelCheckpoint(
         path, monitor="val_accuracy", mode="max", save_best_only=True, initial_value_threshold=0.5

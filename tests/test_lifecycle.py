@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import keras_vit
 from keras_vit import backups, callbacks
 from keras_vit import data as vit_data
 from keras_vit.callbacks import Backup, StopOnSignal, StoppedBySignal
-from tests.builders import prepare_tfds, write_folder, write_odd_folder
+from tests.builders import prepare_tfds, small_vit, write_folder, write_odd_folder
 from tests.conftest import ROOT, run_command_line, run_together, tensorboard_scalars
 
 # === The data: a function of the position in the stream ===
@@ -120,10 +119,11 @@ class SignalAt(keras.callbacks.Callback):
             os.kill(os.getpid(), self.number)
 
 
-def small_vit():
+def compiled_vit():
+    """The small model for the 6 px images of `small_split` (2 x 2 patches, 4 classes) with dropout and stochastic
+    depth, compiled, its optimizer built."""
     keras.utils.set_random_seed(1)
-    model = keras_vit.build_vit("testing", image_size=6, num_classes=4, patch_size=3, dropout_rate=0.2,
-                                stochastic_depth_rate=0.1, head_kernel_initializer="glorot_uniform")  # fmt: skip
+    model = small_vit(image_size=6, patch_size=3, num_classes=4, dropout_rate=0.2, stochastic_depth_rate=0.1)
     model.compile(keras.optimizers.AdamW(1e-2), keras.losses.CategoricalCrossentropy(from_logits=True),
                   jit_compile=False)  # fmt: skip
     model.optimizer.build(model.trainable_variables)
@@ -160,12 +160,12 @@ def test_on_jax_a_signal_stops_fit_with_a_backup_and_the_resumed_run_ends_as_the
 def check_signal_and_resume(tmp_path, number):
     """Three fits of a small ViT with dropout and stochastic depth: whole; stopped by `number` at step 3 (mid
     epoch); resumed from its backup. The resumed one ends with the whole one's weights, bit for bit."""
-    whole = small_vit()
+    whole = compiled_vit()
     assert fit_from(whole, str(tmp_path / "whole"), 0)[2] is None
     assert int(whole.optimizer.iterations.numpy()) == 6 and not (tmp_path / "whole").exists()  # Done: removed.
 
     handlers = {n: signal.getsignal(n) for n in (signal.SIGTERM, signal.SIGINT)}
-    stopped = small_vit()
+    stopped = compiled_vit()
     backup, stop, raised = fit_from(stopped, str(tmp_path / "run"), 0, [lambda b: SignalAt(b, 3, number)])
     assert stop.signal_number == number and stop.exit_code() == 128 + number
     assert raised.code == 128 + number and raised.backup_path == stop.backup_path and raised.step == 3
@@ -174,7 +174,7 @@ def check_signal_and_resume(tmp_path, number):
         assert json.load(f)["step"] == 3
     assert {n: signal.getsignal(n) for n in handlers} == handlers  # The handlers are back.
 
-    resumed = small_vit()
+    resumed = compiled_vit()
     epoch, step = backups.restore_position(resumed, str(tmp_path / "run"))
     assert (epoch, step) == (1, 3)
 
@@ -209,7 +209,7 @@ def test_a_signal_ends_fit_at_once_without_validating_though_the_validation_outl
     split = small_split(24)
     validation = tf.data.Dataset.from_tensor_slices(
         (split.images.astype(np.float32), tf.one_hot(split.labels, 4))).batch(8).map(slow)  # fmt: skip
-    model = small_vit()
+    model = compiled_vit()
     backup = Backup(str(tmp_path / "run"), save_freq=100)
     stop = StopOnSignal(backup, grace_seconds=2)
     epoch_end = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: ended.append(epoch))
@@ -344,11 +344,11 @@ def test_two_jax_processes_stop_together_on_one_sigterm_and_resume_as_the_whole_
 
 
 def test_a_fit_stopped_early_keeps_its_backup(tmp_path):
-    model = small_vit()
+    model = compiled_vit()
     backup = Backup(str(tmp_path / "run"), save_freq=100)
     model.fit(vit_data.training_stream(small_split(), 8, num_classes=4), epochs=3, steps_per_epoch=2, verbose=0,
               callbacks=[backup, StopEarly(backup, at=3)])  # fmt: skip
-    assert backup.step == 3 and backups.restore_position(small_vit(), str(tmp_path / "run")) == (1, 3)
+    assert backup.step == 3 and backups.restore_position(compiled_vit(), str(tmp_path / "run")) == (1, 3)
 
 
 def test_backups_every_few_seconds_of_training_count_the_runs_steps(tmp_path, monkeypatch):
@@ -356,7 +356,7 @@ def test_backups_every_few_seconds_of_training_count_the_runs_steps(tmp_path, mo
 
     clock = iter(range(0, 10_000, 7))  # Seconds: 7 s pass between two reads of the Backup's clock.
     monkeypatch.setattr(callbacks.state, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
-    model = small_vit()
+    model = compiled_vit()
     backup = Backup(str(tmp_path / "run"), save_freq=100, keep=10, save_seconds=20)
     model.fit(vit_data.training_stream(small_split(), 8, num_classes=4), epochs=1, steps_per_epoch=6, verbose=0,
               callbacks=[backup, StopEarly(backup, at=5)])  # fmt: skip

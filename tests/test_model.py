@@ -9,16 +9,10 @@ import tensorflow as tf
 import keras_vit
 from keras_vit.testing import random_images, randomize_weights
 from tests import numpy_vit
-from tests.builders import PARAMS_GAP, graph_flops
+from tests.builders import PARAMS_GAP, SMALL, graph_flops, small_vit
 
-SMALL = dict(hidden_dim=16, num_layers=2, num_heads=4, mlp_dim=32, patch_size=4)
-
-
-def small_vit(**kwargs):
-    args = dict(image_size=(8, 12), num_classes=5, head_kernel_initializer="glorot_uniform")
-    args.update(SMALL)
-    args.update(kwargs)
-    return keras_vit.build_vit("testing", **args)
+# A grid of 2 x 3 patches, for the tests where height and width must not be mixed up.
+RECTANGLE = (8, 12)
 
 
 @pytest.mark.parametrize(
@@ -32,8 +26,8 @@ def small_vit(**kwargs):
     ],
 )
 def test_forward_matches_numpy_reference(kwargs):
-    model = randomize_weights(small_vit(**kwargs))
-    images = random_images((3, 8, 12, 3))
+    model = randomize_weights(small_vit(image_size=RECTANGLE, **kwargs))
+    images = random_images((3, *RECTANGLE, 3))
     params, num_layers = numpy_vit.params_from_model(model)
     assert num_layers == SMALL["num_layers"]
     expected = numpy_vit.vit_forward(
@@ -49,7 +43,7 @@ def test_forward_matches_numpy_reference(kwargs):
 def test_tanh_gelu_matches_numpy_reference():
     """gelu="tanh": the reference with the tanh GELU within 1e-5, and clearly not the exact one."""
     model = randomize_weights(small_vit(gelu="tanh"))
-    images = random_images((3, 8, 12, 3))
+    images = random_images((3, 16, 16, 3))
     params, num_layers = numpy_vit.params_from_model(model)
     exact = numpy_vit.vit_forward(params, num_layers, images)
     expected = numpy_vit.vit_forward(params, num_layers, images, activation=numpy_vit.gelu_tanh)
@@ -87,7 +81,7 @@ def test_family_options_match_the_numpy_reference_and_survive_saving(name, tmp_p
     model without it (the same weights where both have them), and restored whole by `load_model`."""
     kwargs = FAMILY_OPTIONS[name]
     model = randomize_weights(small_vit(**kwargs))
-    images = random_images((3, 8, 12, 3))
+    images = random_images((3, 16, 16, 3))
     params, num_layers = numpy_vit.params_from_model(model)
     activation = {"quick": numpy_vit.gelu_quick, "silu": numpy_vit.silu}.get(kwargs.get("gelu"))
     classifier = kwargs.get("classifier", "token")
@@ -177,7 +171,7 @@ def test_a_distilled_models_heads_are_replaced_and_trained_together(tmp_path):
 
 def test_uint8_and_float_pixels_give_the_same_output():
     model = randomize_weights(small_vit())
-    images = random_images((2, 8, 12, 3))
+    images = random_images((2, 16, 16, 3))
     np.testing.assert_array_equal(
         model.predict(images.astype(np.uint8), verbose=0), model.predict(images, verbose=0)
     )
@@ -185,7 +179,7 @@ def test_uint8_and_float_pixels_give_the_same_output():
 
 def test_without_rescaling_the_model_takes_normalised_inputs():
     model = randomize_weights(small_vit(include_rescaling=False))
-    images = random_images((2, 8, 12, 3))
+    images = random_images((2, 16, 16, 3))
     params, num_layers = numpy_vit.params_from_model(model)
     expected = numpy_vit.vit_forward(params, num_layers, images / 127.5 - 1.0, rescale=False)
     np.testing.assert_allclose(model(images / 127.5 - 1.0), expected, atol=1e-5, rtol=1e-5)
@@ -196,7 +190,7 @@ def test_pixel_mean_and_std_normalise_as_the_weights_expect(tmp_path):
     (x / 255 - mean) / std, and the statistics survive saving."""
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
     model = randomize_weights(small_vit(pixel_mean=mean, pixel_std=std))
-    images = random_images((2, 8, 12, 3))
+    images = random_images((2, 16, 16, 3))
     normalised = (images / 255.0 - np.array(mean)) / np.array(std)
     params, num_layers = numpy_vit.params_from_model(model)
     expected = numpy_vit.vit_forward(params, num_layers, normalised, rescale=False)
@@ -233,7 +227,7 @@ def test_pixel_mean_and_std_normalise_as_the_weights_expect(tmp_path):
 )
 def test_keras_save_and_reload_is_exact(tmp_path, kwargs):
     model = randomize_weights(small_vit(**kwargs))
-    images = random_images((4, 8, 12, 3))
+    images = random_images((4, 16, 16, 3))
     expected = model.predict(images, verbose=0)
     path = tmp_path / "vit.keras"
     model.save(path)
@@ -248,7 +242,7 @@ def test_keras_save_and_reload_is_exact(tmp_path, kwargs):
 @pytest.mark.parametrize("classifier", ["token", "gap", "map"])
 def test_every_trainable_weight_receives_a_gradient(classifier):
     model = small_vit(classifier=classifier, representation_size=8)
-    images = random_images((4, 8, 12, 3))
+    images = random_images((4, 16, 16, 3))
     labels = np.array([0, 1, 2, 3])
     with tf.GradientTape() as tape:
         logits = model(images, training=True)
@@ -269,7 +263,7 @@ def test_default_head_and_class_token_start_at_zero():
 @pytest.mark.parametrize("precision, tolerance", [("mixed_bfloat16", 0.05), ("mixed_float16", 0.01)])
 def test_mixed_precision_is_finite_and_close_to_float32(policy, precision, tolerance):
     reference = randomize_weights(small_vit(), scale=0.1)
-    images = random_images((4, 8, 12, 3))
+    images = random_images((4, 16, 16, 3))
     expected = reference.predict(images, verbose=0)
     policy(precision)
     model = small_vit()
@@ -294,7 +288,7 @@ def test_mixed_precision_trains_with_xla(policy):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         jit_compile=True,
     )
-    history = model.fit(random_images((8, 8, 12, 3)), np.arange(8) % 5, epochs=2, verbose=0)
+    history = model.fit(random_images((8, 16, 16, 3)), np.arange(8) % 5, epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
 
 
@@ -307,7 +301,7 @@ def test_xla_compiled_train_step_runs_and_learns():
         jit_compile=True,
     )
     assert model.jit_compile is True
-    images, labels = random_images((16, 8, 12, 3)), np.arange(16) % 5
+    images, labels = random_images((16, 16, 16, 3)), np.arange(16) % 5
     before = [w.numpy().copy() for w in model.trainable_weights]
     history = model.fit(images, labels, batch_size=8, epochs=15, verbose=0)
     losses = history.history["loss"]
@@ -443,7 +437,7 @@ def test_files_saved_with_the_flat_qkv_layout_load_exactly(tmp_path):
     import h5py
 
     model = randomize_weights(small_vit(num_layers=2))
-    images = random_images((4, 8, 12, 3))
+    images = random_images((4, 16, 16, 3))
     expected = model.predict(images, verbose=0)
     model.save(tmp_path / "new.keras")
     with zipfile.ZipFile(tmp_path / "new.keras") as archive:
@@ -484,8 +478,8 @@ def test_sincos_model_is_the_learned_model_with_big_visions_embeddings(classifie
     """A sincos2d model computes what a learned-embedding model (itself checked against the NumPy
     reference) computes with its position embeddings set to big_vision's formula, on a rectangular
     grid; the class token gets no position."""
-    fixed = randomize_weights(small_vit(classifier=classifier, position_embedding="sincos2d"))
-    learned = small_vit(classifier=classifier)
+    fixed = randomize_weights(small_vit(image_size=RECTANGLE, classifier=classifier, position_embedding="sincos2d"))
+    learned = small_vit(image_size=RECTANGLE, classifier=classifier)
     posemb = numpy_vit.posemb_sincos_2d(2, 3, 16)
     if classifier == "token":
         posemb = np.concatenate([np.zeros((1, 1, 16)), posemb], axis=1)
@@ -493,7 +487,7 @@ def test_sincos_model_is_the_learned_model_with_big_visions_embeddings(classifie
     for weight in learned.weights:
         source = posemb if weight.path == "patch_encoder/position_embedding" else by_name[weight.path]
         weight.assign(keras.ops.convert_to_numpy(source).astype("float32"))
-    images = random_images((3, 8, 12, 3))
+    images = random_images((3, *RECTANGLE, 3))
     np.testing.assert_allclose(fixed.predict(images, verbose=0), learned.predict(images, verbose=0), atol=1e-5)
     # No weight: the learned model has exactly the embeddings' parameters more.
     assert learned.count_params() - fixed.count_params() == posemb.size
@@ -502,9 +496,9 @@ def test_sincos_model_is_the_learned_model_with_big_visions_embeddings(classifie
 def test_map_model_pools_the_encoder_tokens_with_the_map_head():
     model = randomize_weights(small_vit(classifier="map", gelu="tanh"))
     assert model.get_layer("patch_encoder").use_class_token is False
-    images = random_images((3, 8, 12, 3))
+    images = random_images((3, 16, 16, 3))
     tokens = keras.Model(model.inputs, model.get_layer("encoder_norm").output).predict(images, verbose=0)
-    assert tokens.shape == (3, 6, 16)  # No class token.
+    assert tokens.shape == (3, 16, 16)  # No class token.
     from keras_vit import checkpoints
 
     weights = {v.path: keras.ops.convert_to_numpy(v) for v in model.weights if v.path.startswith("pooling/")}
@@ -533,7 +527,7 @@ def test_map_and_sincos_models_through_the_model_utilities(kwargs):
     freeze_backbone, count_flops, the layout map and the attention maps work for these options."""
     from keras_vit import parallel, visualize
 
-    model = randomize_weights(small_vit(**kwargs))
+    model = randomize_weights(small_vit(image_size=RECTANGLE, **kwargs))
     bigger = keras_vit.set_image_size(model, (12, 16))
     encoder = bigger.get_layer("patch_encoder")
     if kwargs.get("position_embedding") == "sincos2d":
@@ -548,13 +542,13 @@ def test_map_and_sincos_models_through_the_model_utilities(kwargs):
 
     new = keras_vit.freeze_backbone(keras_vit.replace_head(model, 3))
     assert [w.path for w in new.trainable_weights] == ["head/kernel", "head/bias"]
-    args = dict(image_size=(8, 12), num_classes=5, **SMALL, **kwargs)
+    args = dict({**SMALL, "image_size": RECTANGLE}, num_classes=5, **kwargs)
     args.pop("position_embedding", None)
-    assert keras_vit.count_flops("testing", **args) == graph_flops(model, (8, 12))
+    assert keras_vit.count_flops("testing", **args) == graph_flops(model, RECTANGLE)
 
     mesh = keras.distribution.DeviceMesh((1, 1), ["batch", "model"], ["cpu:0"])
     assert parallel.get_layout_map(mesh, config=model)["pooling/key_value_kernel"] is None  # replicated
-    attentions = visualize.attention_weights(model, random_images((2, 8, 12, 3)))
+    attentions = visualize.attention_weights(model, random_images((2, *RECTANGLE, 3)))
     assert attentions.shape == (2, 2, 4, 6, 6)
     np.testing.assert_allclose(attentions.sum(-1), 1.0, atol=1e-5)
     assert visualize.position_embedding_similarity(model).shape == (2, 3, 2, 3)
@@ -569,7 +563,7 @@ def test_pre_norm_and_pooled_norm_move_the_layer_norms():
     assert names[names.index("embedding_dropout") :] == [
         "embedding_dropout", "pre_norm", "encoderblock_0", "encoderblock_1", "pooling", "pooled_norm", "head"
     ]
-    images = random_images((3, 8, 12, 3))
+    images = random_images((3, 16, 16, 3))
 
     def output_of(name):
         return keras.Model(model.inputs, model.get_layer(name).output).predict(images, verbose=0).astype(np.float64)

@@ -12,13 +12,7 @@ import keras_vit
 from keras_vit import checkpoints
 from keras_vit.checkpoints import timm as timm_weights
 from keras_vit.testing import random_images, randomize_weights
-from tests.builders import timm_python
-
-SMALL = dict(hidden_dim=16, num_layers=2, num_heads=4, mlp_dim=64, patch_size=4)
-
-
-def small_vit(image_size=16, **kwargs):
-    return keras_vit.build_vit("testing", image_size=image_size, num_classes=5, **SMALL, **kwargs)
+from tests.builders import small_vit, timm_python
 
 
 def weights_of(model):
@@ -26,14 +20,15 @@ def weights_of(model):
 
 
 # The keys and shapes of timm's VisionTransformer(img_size=16, patch_size=4, embed_dim=16, depth=2,
-# num_heads=4, num_classes=5).state_dict(), as timm 1.0 names them (timm/models/vision_transformer.py).
+# num_heads=4, mlp_ratio=2, num_classes=5).state_dict() (the small model's size), as timm 1.0 names them
+# (timm/models/vision_transformer.py).
 TIMM_BLOCK = {
     **{f"{norm}.{param}": (16,) for norm in ("norm1", "norm2") for param in ("weight", "bias")},
     **{f"{linear}.weight": (out, inputs) for linear, out, inputs in [("attn.qkv", 48, 16), ("attn.proj", 16, 16)]},
-    **{f"{linear}.weight": (out, inputs) for linear, out, inputs in [("mlp.fc1", 64, 16), ("mlp.fc2", 16, 64)]},
+    **{f"{linear}.weight": (out, inputs) for linear, out, inputs in [("mlp.fc1", 32, 16), ("mlp.fc2", 16, 32)]},
     **{
         f"{linear}.bias": (out,)
-        for linear, out in [("attn.qkv", 48), ("attn.proj", 16), ("mlp.fc1", 64), ("mlp.fc2", 16)]
+        for linear, out in [("attn.qkv", 48), ("attn.proj", 16), ("mlp.fc1", 32), ("mlp.fc2", 16)]
     },
 }
 TIMM_KEYS = {
@@ -349,7 +344,9 @@ def test_bicubic_antialias_is_pillows_bicubic(old_grid, new_grid):
 # Run with a Python that has timm (PyTorch and TensorFlow in one process have crashed on this
 # machine): builds each case's timm model with random weights, saves its state dict with
 # safetensors, and writes its logits at 16 px and, loaded through timm's own checkpoint_filter_fn
-# (which resamples pos_embed), at the other sizes.
+# (which resamples pos_embed), at the other sizes. Its models have timm's default MLP width, 4 x 16
+# (TIMM_MLP_DIM), or the case's own mlp_ratio.
+TIMM_MLP_DIM = 64
 TIMM_SIDE = r"""
 import json, sys
 import numpy as np, torch
@@ -424,7 +421,7 @@ def test_timm_files_give_timms_outputs_at_every_size(timm_reference, name):
     out, outputs = timm_reference
     images = dict(np.load(out / "images.npz"))
     for height, width in SIZES.get(name, [(16, 16)]):
-        model = small_vit(image_size=(height, width), **CASES[name][0])
+        model = small_vit(image_size=(height, width), mlp_dim=TIMM_MLP_DIM, **CASES[name][0])
         notes = keras_vit.load_pretrained(model, str(out / f"{name}.safetensors"))
         assert ((height, width) != (16, 16)) == any("bicubic_antialias" in note for note in notes)
         expected = outputs[f"{name}/{height}x{width}"]

@@ -13,7 +13,7 @@ import keras_vit
 from keras_vit import checkpoints
 from keras_vit.testing import random_images, randomize_weights
 from tests.builders import (
-    CLASSES,
+    HAND_WRITTEN,
     HEADS,
     LAYERS,
     MLP,
@@ -21,15 +21,10 @@ from tests.builders import (
     SIDE,
     D,
     hand_written_state_dict,
+    small_vit,
     transformers_numpy_params,
 )
 from tests.numpy_vit import vit_forward
-
-
-def small_vit(**kwargs):
-    options = dict(image_size=SIDE, num_classes=CLASSES, patch_size=PATCH, hidden_dim=D, num_heads=HEADS,
-                   mlp_dim=MLP, num_layers=LAYERS)
-    return keras_vit.build_vit("testing", **{**options, **kwargs})
 
 
 def transformers_keys(layers, prefix="vit."):
@@ -49,7 +44,7 @@ def test_a_file_in_transformers_names_gives_the_numpy_forward_pass(tmp_path):
     state = hand_written_state_dict()
     assert sorted(state) == sorted(transformers_keys(LAYERS))
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    model = small_vit()
+    model = small_vit(**HAND_WRITTEN)
     assert keras_vit.load_pretrained(model, str(tmp_path / "model.safetensors")) == []
     images = random_images((3, SIDE, SIDE, 3), seed=1)
     expected = vit_forward(transformers_numpy_params(state), LAYERS, images)
@@ -58,7 +53,7 @@ def test_a_file_in_transformers_names_gives_the_numpy_forward_pass(tmp_path):
 
 
 def test_save_transformers_writes_their_names_config_and_labels_and_reads_back_exactly(tmp_path):
-    model = randomize_weights(small_vit(), scale=0.2)
+    model = randomize_weights(small_vit(**HAND_WRITTEN), scale=0.2)
     folder = keras_vit.save_transformers(model, tmp_path / "vit", class_names=list("abcde"))
     state = checkpoints.read_checkpoint(f"{folder}/model.safetensors")
     assert sorted(state) == sorted(transformers_keys(LAYERS))
@@ -71,7 +66,7 @@ def test_save_transformers_writes_their_names_config_and_labels_and_reads_back_e
     assert config["hidden_act"] == "gelu" and config["qkv_bias"] is True
     assert config["id2label"] == {str(i): name for i, name in enumerate("abcde")}
     assert config["label2id"]["c"] == 2
-    again = small_vit()
+    again = small_vit(**HAND_WRITTEN)
     assert keras_vit.load_pretrained(again, f"{folder}/model.safetensors") == []
     for a, b in zip(model.weights, again.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
@@ -91,7 +86,7 @@ def test_a_vitmodel_file_loads_its_pooler_as_the_pre_logits(tmp_path):
     timm_state, notes = checkpoints.from_transformers(state)
     assert "pre_logits.fc.weight" in timm_state and any("mask_token" in note for note in notes)
     save_file({k: np.asarray(v, np.float32) for k, v in state.items()}, str(tmp_path / "model.safetensors"))
-    model = small_vit(num_classes=0, representation_size=D)
+    model = small_vit(**{**HAND_WRITTEN, "num_classes": 0}, representation_size=D)
     keras_vit.load_pretrained(model, str(tmp_path / "model.safetensors"))
     np.testing.assert_allclose(model.get_layer("pre_logits").kernel.numpy(), state["pooler.dense.weight"].T, atol=1e-7)
 
@@ -100,7 +95,7 @@ def test_what_transformers_cannot_hold_is_refused_by_name(tmp_path):
     state = hand_written_state_dict()
     state["vit.encoder.layer.0.attention.attention.q_norm.weight"] = np.ones(D, np.float32)
     save_file(state, str(tmp_path / "model.safetensors"))
-    model = small_vit()
+    model = small_vit(**HAND_WRITTEN)
     before = [w.numpy() for w in model.weights]
     with pytest.raises(checkpoints.CheckpointError, match=r"no place for.*q_norm"):
         keras_vit.load_pretrained(model, str(tmp_path / "model.safetensors"))
@@ -129,7 +124,7 @@ def test_what_transformers_cannot_hold_is_refused_by_name(tmp_path):
 def test_save_transformers_writes_the_options_its_layout_holds(tmp_path):
     """ViT's layout holds query, key and value without biases (`qkv_bias` in the config) and the quick GELU
     (`hidden_act="quick_gelu"`): written, and read back to the same model."""
-    model = randomize_weights(small_vit(qkv_bias=False, gelu="quick"), seed=4)
+    model = randomize_weights(small_vit(**HAND_WRITTEN, qkv_bias=False, gelu="quick"), seed=4)
     keras_vit.save_transformers(model, tmp_path / "saved")
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert config["qkv_bias"] is False and config["hidden_act"] == "quick_gelu"

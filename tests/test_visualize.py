@@ -9,15 +9,16 @@ import keras_vit
 from keras_vit import visualize
 from keras_vit.testing import random_images, randomize_weights
 from tests import numpy_vit
+from tests.builders import SMALL, small_vit
+
+# A grid of 2 x 3 patches: the maps and distances must keep height and width apart.
+RECTANGLE = (8, 12)
+LAYERS = SMALL["num_layers"]
 
 
-def small_vit(**kwargs):
-    args = dict(
-        image_size=(8, 12), num_classes=5, hidden_dim=16, num_layers=3, num_heads=4, mlp_dim=32,
-        patch_size=4, head_kernel_initializer="glorot_uniform",
-    )
-    args.update(kwargs)
-    return randomize_weights(keras_vit.build_vit("testing", **args))
+def random_small_vit(**options):
+    """The small model with random weights everywhere (its norms and biases too)."""
+    return randomize_weights(small_vit(**options))
 
 
 def png_size(path):
@@ -29,11 +30,11 @@ def png_size(path):
 
 @pytest.mark.parametrize("classifier", ["token", "gap"])
 def test_attention_weights_match_numpy_reference(classifier):
-    model = small_vit(classifier=classifier)
+    model = random_small_vit(image_size=RECTANGLE, classifier=classifier)
     images = random_images((5, 8, 12, 3))
     got = visualize.attention_weights(model, images, batch_size=2)
     tokens = 6 + (classifier == "token")
-    assert got.shape == (3, 5, 4, tokens, tokens)
+    assert got.shape == (LAYERS, 5, 4, tokens, tokens)
     params, num_layers = numpy_vit.params_from_model(model)
     expected = []
     numpy_vit.vit_forward(params, num_layers, images, classifier=classifier, attention=expected)
@@ -43,7 +44,7 @@ def test_attention_weights_match_numpy_reference(classifier):
 
 
 def test_attention_weights_of_a_reloaded_model(tmp_path):
-    model = small_vit()
+    model = random_small_vit(image_size=RECTANGLE)
     images = random_images((2, 8, 12, 3))
     model.save(tmp_path / "m.keras")
     import keras
@@ -55,7 +56,7 @@ def test_attention_weights_of_a_reloaded_model(tmp_path):
 
 
 def test_bad_images_are_refused():
-    model = small_vit()
+    model = random_small_vit(image_size=RECTANGLE)
     with pytest.raises(ValueError, match=r"\(batch, 8, 12, 3\).*\(2, 12, 8, 3\)"):
         visualize.attention_weights(model, np.zeros((2, 12, 8, 3)))
     single = visualize.attention_weights(model, np.zeros((8, 12, 3)))
@@ -100,9 +101,9 @@ def test_attention_to_the_neighbour_gives_its_distance():
 
 
 def test_mean_attention_distance_of_a_model():
-    model = small_vit()
+    model = random_small_vit(image_size=RECTANGLE)
     distances = visualize.mean_attention_distance(model, random_images((3, 8, 12, 3)))
-    assert distances.shape == (3, 4)
+    assert distances.shape == (LAYERS, 4)
     farthest = math.hypot(4, 8)  # Two opposite corner patches of the 2x3 grid of 4x4 patches.
     assert np.all(distances > 0) and np.all(distances < farthest)
 
@@ -136,7 +137,7 @@ def test_rollout_discards_the_weakest_entries_but_not_the_class_token_column():
 @pytest.mark.parametrize("classifier", ["token", "gap"])
 @pytest.mark.parametrize("fusion", ["mean", "max", "min"])
 def test_attention_rollout_maps(classifier, fusion):
-    model = small_vit(classifier=classifier)
+    model = random_small_vit(image_size=RECTANGLE, classifier=classifier)
     maps = visualize.attention_rollout(model, random_images((2, 8, 12, 3)), head_fusion=fusion, discard_ratio=0.2)
     assert maps.shape == (2, 8, 12)
     assert np.isfinite(maps).all() and maps.min() >= 0.0 and maps.max() <= 1.0
@@ -154,7 +155,7 @@ def test_rollout_argument_errors():
 
 @pytest.mark.parametrize("classifier", ["token", "gap"])
 def test_position_embedding_similarity(classifier):
-    model = small_vit(classifier=classifier, image_size=(12, 16))
+    model = random_small_vit(classifier=classifier, image_size=(12, 16))
     similarity = visualize.position_embedding_similarity(model)
     assert similarity.shape == (3, 4, 3, 4)
     flat = similarity.reshape(12, 12)
@@ -179,7 +180,7 @@ def test_the_similarity_figure_tiles_each_patchs_map_at_its_position():
 
 
 def test_neighbour_similarity_sees_a_grid_structure():
-    model = small_vit(image_size=(16, 16), classifier="gap")
+    model = random_small_vit(image_size=(16, 16), classifier="gap")
     encoder = model.get_layer("patch_encoder")
     # Embeddings that vary smoothly with the position: neighbours are similar, far patches not.
     rows, cols = np.meshgrid(np.arange(4), np.arange(4), indexing="ij")
@@ -199,7 +200,7 @@ def test_neighbour_similarity_sees_a_grid_structure():
 
 
 def test_patch_embedding_filters_are_the_principal_components():
-    model = small_vit(hidden_dim=64, num_heads=4, patch_size=2, image_size=(8, 12))
+    model = random_small_vit(hidden_dim=64, num_heads=4, patch_size=2, image_size=RECTANGLE)
     filters = visualize.patch_embedding_filters(model, num_components=6)
     assert filters.shape == (6, 2, 2, 3)
     flat = filters.reshape(6, -1)
@@ -236,7 +237,7 @@ def test_the_filters_figure_shows_each_filter_scaled_to_its_own_range_in_order(t
 
 
 def test_figures_are_written_as_png_files(tmp_path):
-    model = small_vit()
+    model = random_small_vit(image_size=RECTANGLE)
     image = random_images((8, 12, 3))
     paths = visualize.write_figures(model, image, tmp_path, prefix="x_")
     names = sorted(p.split("/")[-1] for p in paths)
@@ -291,7 +292,7 @@ def test_patch_sequence_is_the_order_the_model_embeds(classifier, patch_size):
     import keras
 
     height, width = 48, 32
-    model = small_vit(image_size=(height, width), patch_size=patch_size, classifier=classifier)
+    model = random_small_vit(image_size=(height, width), patch_size=patch_size, classifier=classifier)
     image = random_images((height, width, 3)) / 127.5 - 1.0
     sequence = visualize.patch_sequence(model, image)
     ph, pw = (patch_size, patch_size) if isinstance(patch_size, int) else patch_size
@@ -343,7 +344,7 @@ def test_patch_sequence_errors():
         visualize.patch_sequence(0, np.zeros((16, 16, 3)))
     with pytest.raises(ValueError, match=r"shape \(2, 16, 16, 3\)"):
         visualize.patch_sequence(8, np.zeros((2, 16, 16, 3)))
-    model = small_vit(classifier="gap")
+    model = random_small_vit(image_size=RECTANGLE, classifier="gap")
     with pytest.raises(ValueError, match="has no class token.*class_token=True"):
         visualize.patch_sequence(model, np.zeros((8, 12, 3)), class_token=True)
     with pytest.raises(ValueError, match=r"\(batch, 8, 12, 3\).*\(1, 8, 16, 3\)"):
@@ -416,7 +417,7 @@ def test_the_figures_read_the_patch_tokens_behind_register_and_distillation_toke
     """With tokens before the patches (registers, DeiT's distillation token), the maps, distances and position
     similarities are those of the patches: the same numbers as computed by hand from the attention with the extra
     tokens left out."""
-    model = small_vit(**options)
+    model = random_small_vit(image_size=RECTANGLE, **options)
     images = random_images((2, 8, 12, 3))
     encoder = model.get_layer("patch_encoder")
     prefix, positioned = encoder.num_prefix_tokens, encoder.num_positioned_prefix

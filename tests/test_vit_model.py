@@ -13,7 +13,7 @@ import pytest
 import keras_vit
 from keras_vit import ViT, ViTSpec
 from keras_vit.testing import random_images, randomize_weights
-from tests.builders import CLASSES, IMAGENET_MEAN, IMAGENET_STD, SIDE, serve_all, timm_folder
+from tests.builders import CLASSES, IMAGENET_MEAN, IMAGENET_STD, SIDE, serve_all, small_vit, timm_folder
 from tests.conftest import ROOT
 
 # In a fresh interpreter: the saved model loaded with Keras' own function (keras_vit imported, no custom_objects),
@@ -86,17 +86,17 @@ def test_a_pretrained_model_saved_and_loaded_in_a_fresh_process_keeps_what_it_is
     assert served["reloaded"]["bytes_top_k_names"][0, 0].decode() == model.class_names[int(expected.argmax())]
 
 
-def small_vit(**options):
-    options = {**dict(image_size=16, patch_size=4, num_classes=3, num_layers=2, hidden_dim=16, num_heads=2,
-                      mlp_dim=32), **options}  # fmt: skip
-    return randomize_weights(keras_vit.build_vit("testing", **options), seed=1, scale=0.2)
+def random_small_vit(**options):
+    """The small model with random weights everywhere (its norms and biases too)."""
+    return randomize_weights(small_vit(**options), seed=1, scale=0.2)
 
 
 def test_the_spec_is_the_models_config_and_round_trips(tmp_path):
     preprocessing = keras_vit.Preprocessing.center_crop(16, 0.875, interpolation="bicubic",
                                                         mean=IMAGENET_MEAN, std=IMAGENET_STD)  # fmt: skip
-    model = small_vit(pixel_mean=IMAGENET_MEAN, pixel_std=IMAGENET_STD, preprocessing=preprocessing,
-                      class_names=["cat", "dog", "bird"], classifier="gap", pooled_norm=True)  # fmt: skip
+    model = random_small_vit(pixel_mean=IMAGENET_MEAN, pixel_std=IMAGENET_STD, preprocessing=preprocessing,
+                             num_classes=3, class_names=["cat", "dog", "bird"], classifier="gap",
+                             pooled_norm=True)  # fmt: skip
     spec = model.spec
     assert (spec.hidden_dim, spec.num_layers, spec.patch_size, spec.image_size) == (16, 2, (4, 4), (16, 16))
     assert model.preprocessing is spec.preprocessing and model.class_names == ("cat", "dog", "bird")
@@ -120,15 +120,15 @@ def test_the_spec_is_the_models_config_and_round_trips(tmp_path):
     ]
 
 
-def test_what_build_vit_took_before_it_still_takes_and_custom_initializers_compare_by_value(tmp_path):
-    assert small_vit(include_rescaling=1).spec.include_rescaling is True
-    assert small_vit(include_rescaling=np.True_).spec.include_rescaling is True
-    assert small_vit(num_classes=False).output_shape == (None, 16)  # A backbone, as with None or 0.
+def test_build_vit_takes_truthy_flags_and_false_for_no_head_and_custom_initializers_compare_by_value(tmp_path):
+    assert random_small_vit(include_rescaling=1).spec.include_rescaling is True
+    assert random_small_vit(include_rescaling=np.True_).spec.include_rescaling is True
+    assert random_small_vit(num_classes=False).output_shape == (None, 16)  # A backbone, as with None or 0.
     with pytest.raises(ValueError, match=r"Unknown architecture override\(s\) \['resnet_layers'\]"):
         keras_vit.build_vit("testing", resnet_layers=(1,))
     with pytest.raises(ValueError, match=r"image_size=30, patch_size=\(16, 16\) \(variant 'testing'\)"):
         keras_vit.build_vit("testing", image_size=30)
-    model = small_vit(head_kernel_initializer=keras.initializers.RandomNormal(stddev=0.5, seed=3))
+    model = random_small_vit(head_kernel_initializer=keras.initializers.RandomNormal(stddev=0.5, seed=3))
     assert ViTSpec.from_config(model.spec.to_config()) == model.spec
     model.save(tmp_path / "initializer.keras")
     assert keras.models.load_model(tmp_path / "initializer.keras").spec == model.spec
@@ -155,7 +155,7 @@ def test_a_spec_refuses_what_contradicts_it():
 
 def test_surgery_keeps_the_spec_and_saving_keeps_frozen_layers_and_the_dtype_policy(tmp_path):
     preprocessing = keras_vit.Preprocessing(16, 20, interpolation="bicubic")
-    model = small_vit(preprocessing=preprocessing, class_names=["a", "b", "c"])
+    model = random_small_vit(preprocessing=preprocessing, num_classes=3, class_names=["a", "b", "c"])
 
     bigger = keras_vit.set_image_size(model, 32)
     assert type(bigger) is ViT and bigger.spec == model.spec.replace(
@@ -164,14 +164,16 @@ def test_surgery_keeps_the_spec_and_saving_keeps_frozen_layers_and_the_dtype_pol
     assert bigger.class_names == ("a", "b", "c")
 
     five = keras_vit.replace_head(model, 5)
-    assert type(five) is ViT and five.spec == model.spec.replace(num_classes=5, class_names=None)
+    # A new head, started at zero whatever the model's head started from.
+    expected = model.spec.replace(num_classes=5, class_names=None, head_kernel_initializer="zeros")
+    assert type(five) is ViT and five.spec == expected
     assert five.preprocessing == preprocessing
     assert five.get_layer("encoderblock_1") is model.get_layer("encoderblock_1")  # shared, not copied
     backbone = keras_vit.replace_head(model, None)
     assert backbone.spec.num_classes is None and backbone.output_shape == (None, 16)
 
     keras_vit.freeze_backbone(five)
-    assert five.spec == model.spec.replace(num_classes=5, class_names=None)
+    assert five.spec == expected
     five.save(tmp_path / "frozen.keras")
     loaded = keras.models.load_model(tmp_path / "frozen.keras")
     assert [w.path for w in loaded.trainable_weights] == ["head/kernel", "head/bias"]
@@ -179,7 +181,7 @@ def test_surgery_keeps_the_spec_and_saving_keeps_frozen_layers_and_the_dtype_pol
     assert [layer.name for layer in loaded.layers if not layer.trainable] == [
         layer.name for layer in five.layers if not layer.trainable
     ]
-    dropping = keras_vit.freeze_backbone(small_vit(dropout_rate=0.5))
+    dropping = keras_vit.freeze_backbone(random_small_vit(dropout_rate=0.5))
     dropping.save(tmp_path / "dropping.keras")
     reloaded = keras.models.load_model(tmp_path / "dropping.keras")
     images = random_images((2, 16, 16, 3), seed=8)
@@ -188,7 +190,7 @@ def test_surgery_keeps_the_spec_and_saving_keeps_frozen_layers_and_the_dtype_pol
     # Built under mixed_bfloat16, loaded under float32: bfloat16 computation as saved, the head float32.
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
-        mixed = small_vit()
+        mixed = random_small_vit()
     finally:
         keras.mixed_precision.set_global_policy("float32")
     mixed.save(tmp_path / "mixed.keras")
@@ -199,9 +201,9 @@ def test_surgery_keeps_the_spec_and_saving_keeps_frozen_layers_and_the_dtype_pol
     np.testing.assert_array_equal(loaded.predict(images, verbose=0), mixed.predict(images, verbose=0))
 
 
-def test_a_keras_file_of_the_plain_functional_layout_still_loads(tmp_path):
+def test_a_keras_file_of_a_plain_functional_of_the_same_layers_loads(tmp_path):
     """Files saved before the model had a class of its own: a `Functional` of the same layers."""
-    model = small_vit()
+    model = random_small_vit()
     functional = keras.Model(model.inputs, model.outputs, name="vit_testing")
     assert type(functional) is keras.Model or type(functional).__name__ == "Functional"
     functional.save(tmp_path / "old.keras")
@@ -231,7 +233,7 @@ def test_int8_quantizes_every_matmul_but_the_patch_embedding_and_saves_reloads_a
     from keras_vit.export import export_saved_model
 
     images = random_images((4, 16, 16, 3), seed=6).astype(np.uint8)
-    model = small_vit(classifier="map", representation_size=8)
+    model = random_small_vit(classifier="map", representation_size=8)
     float_logits = model.predict(images, verbose=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -252,14 +254,14 @@ def test_int8_quantizes_every_matmul_but_the_patch_embedding_and_saves_reloads_a
     np.testing.assert_array_equal(loaded.predict(images, verbose=0), logits)
     # Another size keeps the quantized layers (the learned position embeddings resampled, as in float).
     bigger = keras_vit.set_image_size(loaded, 32)
-    assert matmul_kernels(bigger) == matmul_kernels(model) and bigger.output_shape == (None, 3)
+    assert matmul_kernels(bigger) == matmul_kernels(model) and bigger.output_shape == (None, 5)
     export_saved_model(loaded, tmp_path / "saved_model")
     served = serve_all({"int8": ("saved_model", tmp_path / "saved_model", {"images": images})}, tmp_path / "serving")
     np.testing.assert_allclose(served["int8"]["images_logits"], logits, atol=1e-5)
 
 
 def test_int4_quantizes_the_dense_layers_and_the_attention_says_it_takes_int8_only():
-    model = small_vit()
+    model = random_small_vit()
     with pytest.warns(UserWarning, match=r"MultiHeadSelfAttention \('attention'\) quantizes its kernels to int8 "
                                          r"only\. Received: mode='int4'"):  # fmt: skip
         model.quantize("int4")
@@ -280,7 +282,7 @@ def test_a_quantized_models_file_keeps_each_layers_quantization_config(tmp_path)
         ("int4_blocks", keras.quantizers.Int4QuantizationConfig(block_size=8)),
         ("int8_weights", keras.quantizers.Int8QuantizationConfig(activation_quantizer=None)),
     ):
-        model = small_vit()
+        model = random_small_vit()
         model.quantize(config=config)
         model.save(tmp_path / f"{name}.keras")
         loaded = keras.models.load_model(tmp_path / f"{name}.keras")
