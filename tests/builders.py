@@ -34,6 +34,33 @@ def small_vit(**options):
                                              **options})
 
 
+def weights_of(model):
+    """{path: a copy of the array} of every weight of a model."""
+    return {v.path: keras.ops.convert_to_numpy(v).copy() for v in model.weights}
+
+
+def write_npz(params, path):
+    """Writes a checkpoint's arrays to an .npz file; returns its path as a string."""
+    from keras_vit import checkpoints
+
+    checkpoints.write_npz(params, str(path))
+    return str(path)
+
+
+def assert_load_fails_unchanged(path, pattern, exception=None, model=None, **kwargs):
+    """load_pretrained(path) into a random `small_vit(**model)` raises `exception` (a CheckpointError by default)
+    matching `pattern`, and leaves every weight as it was."""
+    from keras_vit import checkpoints
+    from keras_vit.testing import randomize_weights
+
+    model = randomize_weights(small_vit(**(model or {})), seed=5)
+    before = weights_of(model)
+    with pytest.raises(exception or checkpoints.CheckpointError, match=pattern):
+        keras_vit.load_pretrained(model, path, **kwargs)
+    for key, value in weights_of(model).items():
+        np.testing.assert_array_equal(value, before[key], err_msg=key)
+
+
 # === Folders of images ===
 
 

@@ -8,16 +8,7 @@ import keras_vit
 from keras_vit import checkpoints
 from keras_vit.testing import random_images, randomize_weights
 from tests import numpy_vit
-from tests.builders import small_vit
-
-
-def weights_of(model):
-    return {v.path: v.numpy().copy() for v in model.weights}
-
-
-def write(params, path):
-    checkpoints.write_npz(params, str(path))
-    return str(path)
+from tests.builders import assert_load_fails_unchanged, small_vit, weights_of, write_npz
 
 
 @pytest.fixture
@@ -122,7 +113,7 @@ def test_every_key_layout_loads_to_the_same_model(source, tmp_path, layout):
     posemb[:, 0] = 0.0
     encoder.position_embedding.assign(posemb)
     keras_vit.save_npz(original, path)
-    variant_path = write(layout(checkpoints.read_npz(path)), tmp_path / "layout.npz")
+    variant_path = write_npz(layout(checkpoints.read_npz(path)), tmp_path / "layout.npz")
     loaded = small_vit()
     keras_vit.load_pretrained(loaded, variant_path)
     for key, value in weights_of(original).items():
@@ -142,7 +133,7 @@ def test_pre_logits_loaded_or_dropped(tmp_path):
     notes = keras_vit.load_pretrained(plain, path)
     assert any("pre_logits/kernel" in note and "dropped" in note for note in notes)
     with pytest.raises(checkpoints.CheckpointError, match="pre_logits/kernel"):
-        keras_vit.load_pretrained(small_vit(representation_size=16), write(
+        keras_vit.load_pretrained(small_vit(representation_size=16), write_npz(
             {k: v for k, v in checkpoints.read_npz(path).items() if not k.startswith("pre_logits")},
             tmp_path / "norep.npz",
         ))
@@ -269,22 +260,12 @@ def test_checkpoints_through_tf_gfile(source):
 # === Bad input: clear errors, model unchanged ===
 
 
-def assert_load_fails_unchanged(path, pattern, exception=checkpoints.CheckpointError, **kwargs):
-    model = randomize_weights(small_vit(**kwargs.pop("model", {})), seed=5)
-    before = weights_of(model)
-    with pytest.raises(exception, match=pattern):
-        keras_vit.load_pretrained(model, path, **kwargs)
-    after = weights_of(model)
-    for key in before:
-        np.testing.assert_array_equal(after[key], before[key], err_msg=key)
-
-
 def test_missing_key_names_the_key_and_the_closest_present(source, tmp_path):
     _, path = source
     params = checkpoints.read_npz(path)
     del params["Transformer/encoderblock_1/MlpBlock_3/Dense_1/kernel"]
     assert_load_fails_unchanged(
-        write(params, tmp_path / "missing.npz"),
+        write_npz(params, tmp_path / "missing.npz"),
         r"no key 'Transformer/encoderblock_1/MlpBlock_3/Dense_1/kernel'; closest keys present: "
         r"\['Transformer/encoderblock_1/MlpBlock_3/Dense_0/kernel'",
     )
@@ -295,7 +276,7 @@ def test_shape_mismatch_names_the_key_and_both_shapes(source, tmp_path):
     params = checkpoints.read_npz(path)
     params["Transformer/encoderblock_0/MlpBlock_3/Dense_0/kernel"] = np.zeros((16, 31), "float32")
     assert_load_fails_unchanged(
-        write(params, tmp_path / "shape.npz"), r"'encoderblock_0/mlp_dense_1/kernel'.*\(16, 31\).*\(16, 32\)"
+        write_npz(params, tmp_path / "shape.npz"), r"'encoderblock_0/mlp_dense_1/kernel'.*\(16, 31\).*\(16, 32\)"
     )
 
 
@@ -305,7 +286,7 @@ def test_a_deeper_checkpoint_is_refused(source, tmp_path):
     for key in list(params):
         if "encoderblock_1/" in key:
             params[key.replace("encoderblock_1/", "encoderblock_2/")] = params[key]
-    assert_load_fails_unchanged(write(params, tmp_path / "deeper.npz"), r"no place for.*encoderblock_2")
+    assert_load_fails_unchanged(write_npz(params, tmp_path / "deeper.npz"), r"no place for.*encoderblock_2")
 
 
 def test_not_an_npz_and_truncated_files(source, tmp_path):
@@ -363,7 +344,7 @@ def test_hybrid_checkpoint_keys_and_round_trip(hybrid, tmp_path):
     np.testing.assert_array_equal(*outputs)
     del npz["block3/unit1/gn_proj/scale"]
     with pytest.raises(checkpoints.CheckpointError, match=r"no key 'block3/unit1/gn_proj/scale'"):
-        keras_vit.load_pretrained(loaded, write(npz, tmp_path / "broken.npz"))
+        keras_vit.load_pretrained(loaded, write_npz(npz, tmp_path / "broken.npz"))
 
 
 def test_standardized_conv_matches_numpy():
@@ -439,149 +420,6 @@ def test_query_key_value_are_stacked_with_the_heads_on_the_last_axis(source):
         np.testing.assert_array_equal(from_stacked[key], params[key])
 
 
-# === big_vision's fixed 2-D sin-cos position embeddings and MAP head ===
-
-
-def big_vision_checkpoint(seed, *, posemb="sincos2d", pool="map", dim=16, depth=2, heads=4, mlp=32, classes=5):
-    """Random arrays named and shaped as big_vision's ViT parameters (big_vision/models/vit.py:
-    `embedding` conv, `pos_embedding` (1, patches, D) only when learned, `Transformer/encoderblock_i/
-    {LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1, MlpBlock_0}`, `Transformer/encoder_norm`,
-    `MAPHead_0` for pool_type "map", `cls` for "tok", `head`), under big_vision's `params/` prefix."""
-    rng = np.random.default_rng(seed)
-    shapes = {"embedding/kernel": (4, 4, 3, dim), "embedding/bias": (dim,), "head/kernel": (dim, classes)}
-    shapes["head/bias"] = (classes,)
-    if posemb == "learn":
-        shapes["pos_embedding"] = (1, 16, dim)  # 16 px images, 4 x 4 patches
-    if pool == "tok":
-        shapes["cls"] = (1, 1, dim)
-    blocks = [f"Transformer/encoderblock_{i}/" for i in range(depth)] + ["Transformer/"]
-    for prefix in blocks[:-1]:
-        for norm in ("LayerNorm_0", "LayerNorm_1"):
-            shapes[f"{prefix}{norm}/scale"] = shapes[f"{prefix}{norm}/bias"] = (dim,)
-        for name in ("query", "key", "value"):
-            shapes[f"{prefix}MultiHeadDotProductAttention_0/{name}/kernel"] = (dim, heads, dim // heads)
-            shapes[f"{prefix}MultiHeadDotProductAttention_0/{name}/bias"] = (heads, dim // heads)
-        shapes[f"{prefix}MultiHeadDotProductAttention_0/out/kernel"] = (heads, dim // heads, dim)
-        shapes[f"{prefix}MultiHeadDotProductAttention_0/out/bias"] = (dim,)
-        for i, (fan_in, fan_out) in enumerate([(dim, mlp), (mlp, dim)]):
-            shapes[f"{prefix}MlpBlock_0/Dense_{i}/kernel"] = (fan_in, fan_out)
-            shapes[f"{prefix}MlpBlock_0/Dense_{i}/bias"] = (fan_out,)
-    shapes["Transformer/encoder_norm/scale"] = shapes["Transformer/encoder_norm/bias"] = (dim,)
-    params = {key: rng.normal(0.0, 0.2, shape) + key.endswith("/scale") for key, shape in shapes.items()}
-    if pool == "map":
-        params.update({f"MAPHead_0/{k}": v for k, v in numpy_vit.random_map_head_params(rng, dim, heads, mlp).items()})
-    return {f"params/{key}": value.astype("float32") for key, value in params.items()}
-
-
-def numpy_big_vision_forward(params, images, gelu):
-    """big_vision's ViT forward pass in float64 on its own parameter names: patches, + position
-    embeddings (sin-cos if the file has none), then the class token, pre-norm blocks, encoder_norm,
-    the MAP head (or the class token, or the mean), head."""
-    p = {key[len("params/") :]: np.asarray(value, np.float64) for key, value in params.items()}
-    x = np.asarray(images, np.float64) / 127.5 - 1.0
-    n, ph, dim = len(x), p["embedding/kernel"].shape[0], p["embedding/kernel"].shape[-1]
-    gh, gw = x.shape[1] // ph, x.shape[2] // ph
-    x = x.reshape(n, gh, ph, gw, ph, 3).transpose(0, 1, 3, 2, 4, 5).reshape(n, gh * gw, -1)
-    x = x @ p["embedding/kernel"].reshape(-1, dim) + p["embedding/bias"]
-    x = x + p.get("pos_embedding", numpy_vit.posemb_sincos_2d(gh, gw, dim))
-    if "cls" in p:
-        x = np.concatenate([np.repeat(p["cls"], n, axis=0), x], axis=1)
-    i = 0
-    while f"Transformer/encoderblock_{i}/LayerNorm_0/scale" in p:
-        prefix = f"Transformer/encoderblock_{i}/"
-        y = numpy_vit.layer_norm(x, p[prefix + "LayerNorm_0/scale"], p[prefix + "LayerNorm_0/bias"])
-        attention = prefix + "MultiHeadDotProductAttention_0/"
-        out = np.zeros_like(x) + p[attention + "out/bias"]
-        for h in range(p[attention + "query/kernel"].shape[1]):
-            q, k, v = (
-                y @ p[f"{attention}{name}/kernel"][:, h] + p[f"{attention}{name}/bias"][h]
-                for name in ("query", "key", "value")
-            )
-            weights = numpy_vit.softmax(q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1]))
-            out += weights @ v @ p[attention + "out/kernel"][h]
-        x = x + out
-        y = numpy_vit.layer_norm(x, p[prefix + "LayerNorm_1/scale"], p[prefix + "LayerNorm_1/bias"])
-        y = gelu(y @ p[prefix + "MlpBlock_0/Dense_0/kernel"] + p[prefix + "MlpBlock_0/Dense_0/bias"])
-        x = x + y @ p[prefix + "MlpBlock_0/Dense_1/kernel"] + p[prefix + "MlpBlock_0/Dense_1/bias"]
-        i += 1
-    x = numpy_vit.layer_norm(x, p["Transformer/encoder_norm/scale"], p["Transformer/encoder_norm/bias"])
-    if "MAPHead_0/probe" in p:
-        head = {k[len("MAPHead_0/") :]: v for k, v in p.items() if k.startswith("MAPHead_0/")}
-        pooled = numpy_vit.map_head(x, head, gelu)
-    else:
-        pooled = x[:, 0] if "cls" in p else x.mean(axis=1)
-    return pooled @ p["head/kernel"] + p["head/bias"]
-
-
-@pytest.mark.parametrize(
-    "posemb, pool, kwargs",
-    [
-        ("sincos2d", "map", dict(classifier="map", position_embedding="sincos2d")),
-        ("learn", "map", dict(classifier="map")),
-        ("sincos2d", "tok", dict(position_embedding="sincos2d")),
-    ],
-)
-def test_big_vision_checkpoint_loads_and_computes_big_visions_forward_pass(tmp_path, posemb, pool, kwargs):
-    """A file in big_vision's layout, written with NumPy, loads into the model built with the same
-    options (and the tanh GELU) and gives big_vision's outputs within 1e-5; save_npz then load is exact."""
-    params = big_vision_checkpoint(3, posemb=posemb, pool=pool)
-    model = small_vit(gelu="tanh", **kwargs)
-    assert keras_vit.load_pretrained(model, write(params, tmp_path / "bv.npz")) == []
-    images = random_images((3, 16, 16, 3))
-    expected = numpy_big_vision_forward(params, images, numpy_vit.gelu_tanh)
-    got = model.predict(images, verbose=0)
-    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
-    assert np.ptp(expected, axis=0).max() > 0.1
-
-    keras_vit.save_npz(model, str(tmp_path / "ours.npz"))
-    saved = checkpoints.read_npz(str(tmp_path / "ours.npz"))
-    assert ("Transformer/posembed_input/pos_embedding" in saved) == (posemb == "learn")
-    assert ("MAPHead_0/MultiHeadDotProductAttention_0/key/kernel" in saved) == (pool == "map")
-    again = small_vit(gelu="tanh", **kwargs)
-    keras_vit.load_pretrained(again, str(tmp_path / "ours.npz"))
-    for key, value in weights_of(model).items():
-        np.testing.assert_array_equal(weights_of(again)[key], value, err_msg=key)
-    np.testing.assert_array_equal(again.predict(images, verbose=0), got)
-
-
-def test_big_vision_map_head_names_and_shapes_round_trip(tmp_path):
-    """save_npz writes the MAP head under big_vision's names and shapes; reading them back is exact."""
-    params = big_vision_checkpoint(4)
-    model = small_vit(classifier="map", position_embedding="sincos2d")
-    keras_vit.load_pretrained(model, write(params, tmp_path / "bv.npz"))
-    keras_vit.save_npz(model, str(tmp_path / "ours.npz"))
-    saved = checkpoints.read_npz(str(tmp_path / "ours.npz"))
-    expected = checkpoints.canonicalize(params)
-    assert saved.keys() == expected.keys()
-    for key in expected:
-        np.testing.assert_array_equal(saved[key], expected[key], err_msg=key)
-
-
-@pytest.mark.parametrize(
-    "file, model, pattern",
-    [
-        (
-            dict(posemb="sincos2d"),
-            dict(classifier="map"),
-            r"no key 'Transformer/posembed_input/pos_embedding'.*position_embedding='sincos2d'",
-        ),
-        (
-            dict(posemb="learn"),
-            dict(classifier="map", position_embedding="sincos2d"),
-            r"learned position embeddings.*pos_embedding'\], which the model lacks.*position_embedding='learned'",
-        ),
-        (dict(pool="map"), dict(classifier="gap", position_embedding="sincos2d"), r"MAP head.*classifier='map'"),
-        (
-            dict(pool="gap"),
-            dict(classifier="map", position_embedding="sincos2d"),
-            r"no key 'MAPHead_0/probe'.*classifier='token' or 'gap'",
-        ),
-    ],
-)
-def test_big_vision_options_that_do_not_match_the_model_are_named(tmp_path, file, model, pattern):
-    assert_load_fails_unchanged(write(big_vision_checkpoint(5, **file), tmp_path / "bv.npz"), pattern, model=model)
-
-
 @pytest.mark.parametrize(
     "bad, pattern",
     [
@@ -600,7 +438,7 @@ def test_an_array_that_is_not_finite_floating_point_is_refused_before_any_weight
     _, path = source
     params = checkpoints.read_npz(path)
     params["head/bias"] = bad(params["head/bias"])
-    assert_load_fails_unchanged(write(params, tmp_path / "bad.npz"), pattern)
+    assert_load_fails_unchanged(write_npz(params, tmp_path / "bad.npz"), pattern)
 
 
 def test_a_checkpoint_of_another_head_count_is_refused(tmp_path):
@@ -621,7 +459,7 @@ def test_a_directory_an_empty_file_and_a_non_square_grid_each_get_their_own_mess
     posemb = "Transformer/posembed_input/pos_embedding"
     params[posemb] = np.concatenate([params[posemb], params[posemb][:, 1:3]], axis=1)  # 1 + 18 rows
     assert_load_fails_unchanged(
-        write(params, tmp_path / "grid.npz"), r"has 18 patch rows, not a square grid, and the model's grid is 4x4",
+        write_npz(params, tmp_path / "grid.npz"), r"has 18 patch rows, not a square grid, and the model's grid is 4x4",
         model={"image_size": 16},
     )
 

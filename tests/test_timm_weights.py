@@ -4,7 +4,6 @@ import json
 import pathlib
 import subprocess
 
-import keras
 import numpy as np
 import pytest
 
@@ -12,12 +11,7 @@ import keras_vit
 from keras_vit import checkpoints
 from keras_vit.checkpoints import timm as timm_weights
 from keras_vit.testing import random_images, randomize_weights
-from tests.builders import small_vit, timm_python
-
-
-def weights_of(model):
-    return {v.path: keras.ops.convert_to_numpy(v).copy() for v in model.weights}
-
+from tests.builders import assert_load_fails_unchanged, small_vit, timm_python, weights_of
 
 # The keys and shapes of timm's VisionTransformer(img_size=16, patch_size=4, embed_dim=16, depth=2,
 # num_heads=4, mlp_ratio=2, num_classes=5).state_dict() (the small model's size), as timm 1.0 names them
@@ -202,12 +196,7 @@ def test_through_tf_gfile(tmp_path):
 
 def assert_fails_unchanged(state_dict, tmp_path, pattern, **model_kwargs):
     checkpoints.write_safetensors(state_dict, str(tmp_path / "bad.safetensors"))
-    model = randomize_weights(small_vit(**model_kwargs), seed=5)
-    before = weights_of(model)
-    with pytest.raises(checkpoints.CheckpointError, match=pattern):
-        keras_vit.load_pretrained(model, str(tmp_path / "bad.safetensors"))
-    for key, value in weights_of(model).items():
-        np.testing.assert_array_equal(value, before[key], err_msg=key)
+    assert_load_fails_unchanged(str(tmp_path / "bad.safetensors"), pattern, model=model_kwargs)
 
 
 @pytest.fixture
