@@ -212,6 +212,27 @@ def test_no_module_is_over_600_lines(package):
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
+def imported_modules(path):
+    """The modules a file imports (lazy imports included), as dotted names."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return found
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in modules that hold no tests (tests/builders.py, tests/numpy_vit.py, ...)."""
+    found = {
+        path.name: sorted({name for name in imported_modules(path) if name.startswith("tests.test_")})
+        for path in sorted((ROOT_PATH / "tests").glob("*.py"))
+    }
+    found = {name: modules for name, modules in found.items() if modules}
+    assert not found, f"test modules imported by other modules of tests/: {found}"
+
+
 def shared_fixtures_in_tests():
     """{name: its arguments} of the fixtures in tests/ declared with scope "module" or "session"."""
     names = {}
