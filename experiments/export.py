@@ -1,7 +1,7 @@
 r"""Exports a trained model, or pretrained weights, for serving and checks it against the Keras model.
 
     python -m experiments.export --model=runs/digits/model.keras \
-        --format=tflite --quantize=int8 --out=runs/digits/model_int8.tflite
+        --format=tflite:int8 --out=runs/digits/model_int8.tflite
     python -m experiments.export --pretrained=timm/vit_base_patch16_224.augreg2_in21k_ft_in1k \
         --out=vit_b16_saved_model
 
@@ -9,13 +9,14 @@ r"""Exports a trained model, or pretrained weights, for serving and checks it ag
 names); or --pretrained: what `keras_vit.from_pretrained` opens (a hub id, a
 folder, an .npz), exported with the weights' own resize, crop and label names.
 
---format: saved_model (signatures `serving_images`, `serving_bytes` and
-`serving_default`: the first, or with --default_signature=bytes encoded
-`image_bytes` and a passthrough `key`, as Vertex AI and TF Serving's REST API
-send them; TF Serving's warmup requests unless --nowarmup; --precision:
-float32, bfloat16 or int8, what it computes in on CPUs, by default the
-model's own), tflite
-(--quantize: none, float16, dynamic, int8) or onnx.  int8 is calibrated on
+--format: what to write, by the names the training job's config.export takes
+(`keras_vit.export.ARTEFACTS`): saved_model (signatures `serving_images`,
+`serving_bytes` and `serving_default`: the first, or with
+--default_signature=bytes encoded `image_bytes` and a passthrough `key`, as
+Vertex AI and TF Serving's REST API send them; TF Serving's warmup requests
+unless --nowarmup), in the model's own precision or, after a colon, the one it
+computes in on CPUs (saved_model:float32, :bfloat16, :int8); tflite, or
+tflite:float16, :dynamic, :int8 (quantized); onnx.  int8 TFLite is calibrated on
 the digits training images when the model takes digits-sized images,
 otherwise on --calibration_images (an .npy file of NHWC pixels).
 --max_pixels and --max_aspect_ratio: the largest image `serving_bytes` decodes
@@ -43,8 +44,10 @@ def define_flags():
         "pretrained": flags.DEFINE_string(
             "pretrained", None, "Pretrained weights for keras_vit.from_pretrained: a hub id, folder or .npz."
         ),
-        "format": flags.DEFINE_enum("format", "saved_model", ["saved_model", "tflite", "onnx"], "Artefact."),
-        "quantize": flags.DEFINE_enum("quantize", "none", ["none", "float16", "dynamic", "int8"], "TFLite only."),
+        "format": flags.DEFINE_enum(
+            "format", "saved_model", list(export.ARTEFACTS),
+            "What to write: a format, or a format and its precision or quantization (docs/export.md).",
+        ),
         "out": flags.DEFINE_string("out", None, "Where to write the artefact.", required=True),
         "overwrite": flags.DEFINE_bool("overwrite", False, "Replace an existing --out."),
         "calibration_images": flags.DEFINE_string("calibration_images", None, ".npy images for int8 calibration."),
@@ -54,10 +57,6 @@ def define_flags():
             "SavedModel: what serving_default takes, uint8 images or encoded image_bytes with a key.",
         ),
         "warmup": flags.DEFINE_bool("warmup", True, "SavedModel: write TF Serving's warmup requests."),
-        "precision": flags.DEFINE_enum(
-            "precision", None, list(export.PRECISIONS),
-            "SavedModel: what it computes in on CPUs (default: the model's own; docs/export.md).",
-        ),
         "max_pixels": flags.DEFINE_integer(
             "max_pixels", ImageLimits.max_pixels, "serving_bytes: the most pixels (width x height) decoded."
         ),
@@ -90,8 +89,9 @@ def sample_images(model, count, seed=0):
     return np.random.default_rng(seed).integers(0, 256, (count, height, width, channels)).astype(np.uint8)
 
 
-def run_artefact(kind, path, images):
-    """Logits of the exported artefact on `images`."""
+def run_artefact(artefact, path, images):
+    """Logits of the exported artefact (`keras_vit.export.ARTEFACTS`) at `path` on `images`."""
+    kind, _ = export.parse_artefact(artefact)
     if kind == "saved_model":
         loaded = tf.saved_model.load(path)
         return loaded.signatures["serving_images"](images=tf.constant(images))["logits"].numpy()
@@ -114,35 +114,27 @@ def run_artefact(kind, path, images):
 
 
 def export_and_check(
-    model, kind, out, *, quantize=None, calibration=None, class_names=None, image_limits=None, overwrite=False,
-    default_signature="images", warmup=True, precision=None,
+    model, artefact, out, *, calibration=None, class_names=None, image_limits=None, overwrite=False,
+    default_signature="images", warmup=True,
 ):
-    """Exports `model` as `kind` ("saved_model", "tflite" or "onnx") to `out`, then runs the artefact on 100
-    sample images (`sample_images`) and compares it with the Keras model.
+    """Exports `model` as `artefact` (`keras_vit.export.ARTEFACTS`: "saved_model", "tflite:int8", "onnx", ...)
+    to `out`, then runs the artefact on 100 sample images (`sample_images`) and compares it with the Keras
+    model.
 
-    `calibration` (images) calibrates int8 TFLite, by default the sample
-    images; `default_signature`, `warmup` and `precision` are the SavedModel's.  Returns
-    (path written, largest |logit difference|, top-1 agreement) and prints
-    them with the artefact's size.
+    `calibration` (images) calibrates int8 TFLite, by default the sample images; `class_names`,
+    `image_limits`, `default_signature` and `warmup` are the SavedModel's.  Returns (path written, largest
+    |logit difference|, top-1 agreement) and prints them with the artefact's size.
     """
-    if precision is not None and kind != "saved_model":
-        raise ValueError(f"--precision is the SavedModel's; for {kind} see --quantize. Received: {precision!r}")
     images = sample_images(model, 100)
-    if kind == "saved_model":
-        path = export.export_saved_model(
-            model, out, class_names=class_names, image_limits=image_limits, default_signature=default_signature,
-            warmup=warmup, precision=precision, overwrite=overwrite,
-        )
-    elif kind == "tflite":
-        path = export.export_tflite(
-            model, out, quantize=quantize, representative_data=images if calibration is None else calibration,
-            overwrite=overwrite,
-        )
+    path = export.export_artefact(
+        model, artefact, out, representative_data=images if calibration is None else calibration,
+        class_names=class_names, image_limits=image_limits, default_signature=default_signature, warmup=warmup,
+        overwrite=overwrite,
+    )  # fmt: skip
+    if export.parse_artefact(artefact)[0] == "tflite":
         print(f"TFLite operators: {', '.join(export.tflite_operators(path))}")
-    else:
-        path = export.export_onnx(model, out, overwrite=overwrite)
     expected = model.predict(images, verbose=0)
-    got = run_artefact(kind, path, images)
+    got = run_artefact(artefact, path, images)
     difference = float(np.abs(got - expected).max())
     agreement = float((got.argmax(-1) == expected.argmax(-1)).mean())
     print(f"Wrote {path} ({artefact_size(path) / 2**20:.2f} MiB)")
@@ -169,14 +161,12 @@ def main(cli):
         model,
         cli.format.value,
         cli.out.value,
-        quantize=None if cli.quantize.value == "none" else cli.quantize.value,
         calibration=np.load(cli.calibration_images.value) if cli.calibration_images.value else None,
         class_names=cli.class_names.value,
         image_limits=ImageLimits(cli.max_pixels.value, cli.max_aspect_ratio.value),
         overwrite=cli.overwrite.value,
         default_signature=cli.default_signature.value,
         warmup=cli.warmup.value,
-        precision=cli.precision.value,
     )
 
 

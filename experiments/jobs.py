@@ -1,6 +1,6 @@
 """The command line of every job in experiments/: `run_job` defines a job's flags when it runs as a program,
 never on import, so that the jobs can be imported together, as libraries, without side effects; the job's
-`main` then runs with them.  The helpers the jobs build from (`models`, `datasets`, `evaluations`, `outputs`)
+`main` then runs with them.  The helpers the jobs build from (`models`, `datasets`, `extra_test_sets`, `outputs`)
 take a config, never a flag."""
 
 import atexit

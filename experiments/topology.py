@@ -7,7 +7,7 @@ import keras
 from absl import logging
 
 from experiments import models
-from keras_vit import callbacks, distribute, parallel
+from keras_vit import callbacks, distribute
 from keras_vit.distribute import is_chief
 
 
@@ -45,7 +45,7 @@ def topology(strategy=None):
     if strategy is not None:
         raise ValueError(
             f"A tf.distribute strategy needs Keras' TensorFlow backend; this is {backend!r}. "
-            "On JAX, set a keras.distribution (keras_vit.parallel.make_distribution). "
+            "On JAX, set a keras.distribution (keras_vit.distribute.make_distribution). "
             f"Received: strategy={strategy!r}"
         )
     if backend == "jax":
@@ -60,7 +60,7 @@ def distribute_on_jax(config, kind="auto", mesh_shape=None, multi_host=False):
 
     `kind` is "auto" (data parallel over several devices, else none), "none",
     "data_parallel" or "model_parallel"; `mesh_shape` the (batch, model) mesh,
-    by default `keras_vit.parallel.make_distribution`'s.
+    by default `keras_vit.distribute.make_distribution`'s.
     """
     if multi_host:
         # Reads the coordinator from the environment (KERAS_DISTRIBUTION_* or the TPU pod's own).
@@ -71,7 +71,7 @@ def distribute_on_jax(config, kind="auto", mesh_shape=None, multi_host=False):
         logging.info("Distribution: none (one device)")
         return
     mesh_shape = tuple(int(n) for n in mesh_shape) if mesh_shape else None
-    distribution = parallel.make_distribution(
+    distribution = distribute.make_distribution(
         kind, mesh_shape, batch_size=config.batch_size, config=models.vit_config(config)
     )
     keras.distribution.set_distribution(distribution)

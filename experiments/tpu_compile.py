@@ -114,11 +114,11 @@ def analytic_flops(config, num_classes, training):
 
 
 def make_distribution(layout, topology_devices, global_batch, config, mesh_shape=None):
-    from keras_vit import parallel
+    from keras_vit import distribute
 
     kind = {"data": "data_parallel", "model": "model_parallel"}[layout]
     shape = tuple(int(n) for n in mesh_shape) if mesh_shape else None
-    return parallel.make_distribution(
+    return distribute.make_distribution(
         kind, shape, batch_size=global_batch, config=models.vit_config(config), devices=topology_devices
     )
 

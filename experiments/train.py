@@ -38,7 +38,7 @@ import tensorflow as tf
 from absl import app, flags, logging
 
 import keras_vit
-from experiments import config_checks, datasets, evaluations, jobs, models, outputs, topology
+from experiments import config_checks, datasets, extra_test_sets, jobs, models, outputs, topology
 from keras_vit import backups, evaluation, export, visualize
 from keras_vit import callbacks as vit_callbacks
 from keras_vit.distribute import STRATEGIES, get_strategy
@@ -62,7 +62,7 @@ def define_flags():
         ),
         "mesh_shape": flags.DEFINE_list(
             "mesh_shape", None, "JAX: the (batch, model) device mesh, e.g. 2,4; default: every device on the batch "
-            "axis for data_parallel, see keras_vit.parallel.make_distribution for model_parallel."
+            "axis for data_parallel, see keras_vit.distribute.make_distribution for model_parallel."
         ),
         "multi_host": flags.DEFINE_bool(
             "multi_host", False, "JAX on several hosts (a TPU pod slice, GPU hosts): run the same command on every "
@@ -78,35 +78,33 @@ def define_flags():
     }
 
 
-EXPORTS = ("saved_model", "tflite", "tflite_float16", "tflite_dynamic", "tflite_int8", "onnx")
-
-
 def export_kinds(config):
-    """The exports asked for by config.export, checked before training starts."""
+    """The exports config.export asks for (`keras_vit.export.ARTEFACTS`, comma separated), checked before
+    training starts."""
     kinds = [kind.strip() for kind in config.export.split(",") if kind.strip()]
-    unknown = [kind for kind in kinds if kind not in EXPORTS]
-    if unknown:
-        raise ValueError(f"Unknown export(s) {unknown} in config.export. Expected a subset of {list(EXPORTS)}.")
+    for kind in kinds:
+        try:
+            export.parse_artefact(kind)
+        except ValueError as error:
+            raise ValueError(f"config.export={config.export!r}: {error}") from None
     return kinds
+
+
+def export_file_name(kind):
+    """The name of the file or folder export `kind` writes in workdir/export: "tflite:int8" ->
+    "tflite_int8.tflite", "saved_model:bfloat16" -> "saved_model_bfloat16"."""
+    stem = kind.replace(":", "_")
+    return {"saved_model": stem, "tflite": f"{stem}.tflite", "onnx": "model.onnx"}[export.parse_artefact(kind)[0]]
 
 
 def export_model(model, kind, workdir, dataset, config):
     """Exports into workdir/export/; returns the path written."""
-    out = tf.io.gfile.join(workdir, "export")
-    if kind == "saved_model":
-        return export.export_saved_model(
-            model, tf.io.gfile.join(out, "saved_model"), class_names=dataset.class_names,
-            crop_fraction=config.crop_fraction, image_limits=datasets.image_limits(config), overwrite=True,
-        )
-    if kind == "onnx":
-        return export.export_onnx(model, tf.io.gfile.join(out, "model.onnx"), overwrite=True)
-    return export.export_tflite(
-        model,
-        tf.io.gfile.join(out, f"{kind}.tflite"),
-        quantize=kind.partition("_")[2] or None,
+    return export.export_artefact(
+        model, kind, tf.io.gfile.join(workdir, "export", export_file_name(kind)),
         representative_data=dataset.calibration,  # Evaluation-pipeline images: unaugmented.
-        overwrite=True,
-    )
+        class_names=dataset.class_names, crop_fraction=config.crop_fraction,
+        image_limits=datasets.image_limits(config), overwrite=True,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -493,9 +491,9 @@ def report(run, model, fitting, phases=None):
                 visualize.write_figures(model, image, figures, prefix=f"test{i}_")
     with timing("exports"):
         for kind in run.exports:
-            metrics[f"export_{kind}"] = export_model(model, kind, workdir, dataset, config)
+            metrics[f"export_{kind.replace(':', '_')}"] = export_model(model, kind, workdir, dataset, config)
     with timing("extra test sets"):
-        extra = evaluations.extra_evaluations(config, model, run.strategy)
+        extra = extra_test_sets.extra_evaluations(config, model, run.strategy)
     if fitting.selection is not None and tf.io.gfile.exists(run.best_path):
         with timing("best.keras: evaluated unless it is the final model"):
             if fitting.selection.saved_epoch == run.config.epochs - 1:
@@ -539,7 +537,7 @@ def report_best(run, model, test_ds):
     )
     metrics["best_test_loss"], metrics["best_test_accuracy"] = plain_loss_and_accuracy(model, test_ds, run.strategy)
     extra = {name: result["accuracy"]
-             for name, result in evaluations.extra_evaluations(run.config, model, run.strategy).items()
+             for name, result in extra_test_sets.extra_evaluations(run.config, model, run.strategy).items()
              if "accuracy" in result}  # fmt: skip
     return metrics, extra
 

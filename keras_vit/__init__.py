@@ -1,8 +1,8 @@
 """keras_vit: the Vision Transformer for Keras 3 and TensorFlow.
 
 The public API. The model, its layers and the training recipes need Keras
-only (any backend), and so does `keras_vit.parallel` (training over a device
-mesh with `keras.distribution`); `keras_vit.data`, `keras_vit.distribute`,
+only (any backend), and so do `keras_vit.distribute`'s meshes (training over
+a device mesh with `keras.distribution`); `keras_vit.data`, its strategies,
 `keras_vit.export` and the checkpoints' file I/O need TensorFlow and are
 imported by name.
 
@@ -28,6 +28,7 @@ from keras_vit.checkpoints import (
     set_image_size,
     set_patch_size,
 )
+from keras_vit.distribute import check_model_parallel, get_layout_map, make_distribution
 from keras_vit.evaluation import evaluate
 from keras_vit.flops import count_flops
 from keras_vit.layers import (
@@ -40,7 +41,6 @@ from keras_vit.layers import (
 )
 from keras_vit.mixing import BatchMixer, enable_batch_mixing
 from keras_vit.model import ViT, build_vit
-from keras_vit.parallel import check_model_parallel, get_layout_map, make_distribution
 from keras_vit.preprocessing import Preprocessing
 from keras_vit.pretrained import PretrainedError, from_pretrained
 from keras_vit.resnet import BottleneckUnit, ResNetStem, StandardizedConv2D

@@ -8,7 +8,7 @@ the slice would run.  What the compiler then reports is its own: the bytes each 
 axlearn's `run_aot_compilation.py` check their models this way before a run.
 
     >>> devices = topology_devices("v5e:2x2")                      # doctest: +SKIP
-    >>> distribution = keras_vit.parallel.make_distribution(       # doctest: +SKIP
+    >>> distribution = keras_vit.distribute.make_distribution(       # doctest: +SKIP
     ...     "data_parallel", devices=devices)
     >>> step = compile_train_step(model, distribution, batch)      # doctest: +SKIP
     >>> step.bytes_per_chip["total"], step.flops_per_chip          # doctest: +SKIP

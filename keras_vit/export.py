@@ -48,6 +48,13 @@ tf = import_tensorflow("keras_vit.export")
 QUANTIZATIONS = (None, "float16", "dynamic", "int8")
 # What a SavedModel computes in (`export_saved_model(precision=...)`).
 PRECISIONS = ("float32", "bfloat16", "int8")
+# The artefacts by name, as the training job's `config.export` and the export command's --format take them:
+# a format, or a format and its variant after a colon (a SavedModel's precision, a TFLite model's quantization).
+ARTEFACTS = (
+    "saved_model", *(f"saved_model:{precision}" for precision in PRECISIONS),
+    "tflite", *(f"tflite:{quantize}" for quantize in QUANTIZATIONS if quantize),
+    "onnx",
+)  # fmt: skip
 
 
 class ExportError(RuntimeError):
@@ -512,3 +519,33 @@ def export_onnx(model, path, *, opset=17, overwrite=False):
     with atomic_path(path) as temporary, portable_ops():
         tf2onnx.convert.from_function(serve, input_signature=spec, opset=opset, output_path=temporary)
     return path
+
+
+def parse_artefact(name):
+    """(format, variant) of an artefact's name (`ARTEFACTS`): ("tflite", "int8") for "tflite:int8", ("onnx",
+    None) for "onnx"; a ValueError naming the names there are for any other."""
+    if name not in ARTEFACTS:
+        raise ValueError(f"Unknown export {name!r}. Expected one of {list(ARTEFACTS)}.")
+    kind, _, variant = name.partition(":")
+    return kind, variant or None
+
+
+def export_artefact(
+    model, name, path, *, representative_data=None, class_names=None, crop_fraction=None, image_limits=None,
+    default_signature="images", warmup=True, overwrite=False,
+):  # fmt: skip
+    """Writes the artefact `name` (`ARTEFACTS`, e.g. "saved_model:bfloat16", "tflite:int8") of `model` to `path`
+    and returns the path: `export_saved_model` in the precision it names (none: the model's own) with
+    `class_names`, `crop_fraction`, `image_limits`, `default_signature` and `warmup`; `export_tflite` with the
+    quantization it names, int8 calibrated on `representative_data`; or `export_onnx`."""
+    kind, variant = parse_artefact(name)
+    if kind == "saved_model":
+        return export_saved_model(
+            model, path, precision=variant, class_names=class_names, crop_fraction=crop_fraction,
+            image_limits=image_limits, default_signature=default_signature, warmup=warmup, overwrite=overwrite,
+        )  # fmt: skip
+    if kind == "tflite":
+        return export_tflite(
+            model, path, quantize=variant, representative_data=representative_data, overwrite=overwrite
+        )
+    return export_onnx(model, path, overwrite=overwrite)

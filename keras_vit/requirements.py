@@ -3,7 +3,7 @@
 TensorFlow is not an install requirement: a machine has one build of it (`tensorflow`, `tensorflow-cpu`,
 or `tensorflow-tpu` on a Cloud TPU VM) and a requirement on one distribution name would install a second
 beside it. So the check happens at import time instead. The model, its layers, `fit` and
-`keras_vit.parallel` run on Keras' JAX backend without TensorFlow; the tf.data input, TF strategies,
+`keras_vit.distribute`'s meshes run on Keras' JAX backend without TensorFlow; the tf.data input, TF strategies,
 SavedModel/TFLite export and the Keras TensorFlow backend need it.
 
 This module imports nothing from keras_vit or Keras, so `keras_vit/__init__.py` can run it first.

@@ -19,6 +19,7 @@ can build, train and benchmark models without it installed.
 
 import keras
 
+from keras_vit import compat
 from keras_vit.compat import ClipAfterAllReduce, LearningRateScales
 from keras_vit.kernels import policy
 
@@ -163,19 +164,12 @@ def make_optimizer(
 JIT_COMPILE = ("auto", "on", "off")
 
 
-def accelerator():
-    """"tpu", "gpu" or "cpu": where the current Keras backend computes (inside a
-    distribution strategy's scope, where its devices are); `keras_vit.kernels.policy.device()`."""
-    return policy.device()
-
-
 def resolve_jit_compile(jit_compile="auto", precision=None, training=True, strategy=None):
     """The `jit_compile` for `model.compile`: "on"/True, "off"/False, or "auto".
 
     "auto" picks what works, and of that what runs fastest, for the
-    distribution strategy, platform and precision: the platform policy's rule,
-    `keras_vit.kernels.policy.use_xla`, beside the one that picks the kernels'
-    forms. In short: no XLA under a TensorFlow strategy over several replicas
+    distribution strategy, platform and precision (`_use_xla` has the rule and
+    why). In short: no XLA under a TensorFlow strategy over several replicas
     or a TPU (Keras' own rule); XLA on a GPU, a TPU and the JAX backend; on a
     CPU with TensorFlow and oneDNN, XLA for float32 training only; on a CPU
     without oneDNN, XLA always.
@@ -197,4 +191,59 @@ def resolve_jit_compile(jit_compile="auto", precision=None, training=True, strat
         )
     if jit_compile != "auto":
         return jit_compile == "on"
-    return policy.use_xla(precision, training=training, strategy=strategy)
+    return _use_xla(precision, training=training, strategy=strategy)
+
+
+def _use_xla(precision=None, training=True, strategy=None):
+    """`resolve_jit_compile("auto")`: whether a step compiled now should be XLA-compiled: what works, and of
+    that what runs fastest, for the distribution strategy, platform (`keras_vit.kernels.policy.device()`) and
+    precision (measure it with `python -m experiments.benchmark`).
+
+    - TensorFlow under a strategy over several replicas or a TPU
+      (`MirroredStrategy`, `MultiWorkerMirroredStrategy`, `TPUStrategy`, ...):
+      no XLA, Keras' own rule for `tf.distribute`. A TPU compiles each step
+      with XLA whatever `jit_compile` says; `MirroredStrategy` over several
+      devices of one host cannot run an XLA-compiled step whose variables
+      live on several devices ("Trying to access resource ... located in
+      device CPU:1 from device CPU:0"), and XLA has no CPU collectives for
+      `MultiWorkerMirroredStrategy` ("Collectives are not yet implemented for
+      CPU devices when compiling with XLA").
+    - Otherwise (no strategy or TensorFlow's default one, `OneDeviceStrategy`, Keras' JAX backend with
+      or without `keras.distribution`):
+      - GPU, TPU and the JAX backend: XLA, always.
+      - CPU, TensorFlow with oneDNN (`keras_vit.compat.onednn_enabled()`):
+        - float32: XLA for training, whose backward pass has much
+          element-wise work for XLA to fuse; no XLA for inference, where
+          TensorFlow's graph optimiser fuses the forward pass into oneDNN
+          kernels that run it faster than XLA's CPU code.
+        - bfloat16 or float16: no XLA. oneDNN runs bfloat16 matmuls on the
+          CPU's bfloat16 units (AMX, AVX512-BF16) while XLA's CPU compiler
+          computes them at float32 speed.
+      - CPU, TensorFlow without oneDNN (TensorFlow leaves it off on CPUs
+        without AVX512-VNNI, AVX512-BF16 or AMX): XLA, always; TensorFlow's
+        own CPU kernels then neither fuse the forward pass nor have fast
+        16-bit matmuls.
+
+    Like the kernels' forms, it is decided from where the call is made, each time.
+    """
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return True
+    if backend == "tensorflow" and not _one_device(strategy):
+        return False
+    if policy.device(backend) != "cpu":
+        return True
+    if not compat.onednn_enabled():
+        return True
+    precision = precision or keras.mixed_precision.global_policy().name
+    return training and keras.mixed_precision.Policy(precision).compute_dtype == "float32"
+
+
+def _one_device(strategy=None):
+    """Whether `strategy` (default: TensorFlow's strategy in force) is none at all, TensorFlow's default one
+    or a `OneDeviceStrategy`, where XLA compiles the step as without a strategy."""
+    import tensorflow as tf
+
+    from keras_vit.distribute import on_one_device
+
+    return on_one_device(strategy or tf.distribute.get_strategy())

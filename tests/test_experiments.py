@@ -23,7 +23,7 @@ JOB_FLAGS = {
     "transfer": ["config", "workdir"],
     "export": [
         "calibration_images", "class_names", "default_signature", "format", "max_aspect_ratio", "max_pixels", "model",
-        "out", "overwrite", "precision", "pretrained", "quantize", "warmup",
+        "out", "overwrite", "pretrained", "warmup",
     ],
     "predict": ["batch_size", "crop_fraction", "images", "max_aspect_ratio", "max_pixels", "model", "out", "top_k"],
     "visualize": ["image", "model", "out"],
@@ -33,7 +33,7 @@ JOB_FLAGS = {
     "data_service": ["dispatcher", "port", "role", "work_dir", "worker_address"],
 }
 # What the jobs build from a config, and their command line.
-HELPERS = ("models", "datasets", "evaluations", "outputs", "jobs")
+HELPERS = ("models", "datasets", "extra_test_sets", "outputs", "jobs")
 def test_the_jobs_import_together_and_define_no_flag():
     """Every module of experiments/ (the jobs, the benchmark's modes, the configs) imported together, as
     libraries: no flag defined, nothing started (two jobs' flags of one name would otherwise clash:
@@ -65,7 +65,7 @@ def test_the_jobs_import_together_and_define_no_flag():
     assert helps == JOB_FLAGS
 
 
-@pytest.mark.parametrize("module", ["models", "evaluations"])
+@pytest.mark.parametrize("module", ["models", "extra_test_sets"])
 def test_job_helper_examples(module):
     import doctest
     import importlib
@@ -395,7 +395,7 @@ def test_training_on_an_image_folder_with_a_remote_workdir(tmp_path):
     config.model.update(patch_size=4, num_layers=1, hidden_dim=16, mlp_dim=32, num_heads=2)
     config.visualize_images = 1
     config.augment.randaugment, config.augment.mixup_alpha = (2, 5), 0.2
-    config.export = "tflite_int8"
+    config.export = "tflite:int8"
     metrics = train.train_and_evaluate(config, "ram://run")
     names = ["model.keras", "best.keras", "metrics.json", "history.json", "log.csv",
              "figures/test0_attention_rollout.png", metrics["export_tflite_int8"][len("ram://run/"):]]  # fmt: skip
@@ -439,14 +439,14 @@ def test_jax_hosts_read_their_own_files_when_each_holds_whole_replicas(monkeypat
     import jax
 
     from experiments import datasets
-    from keras_vit import parallel
+    from keras_vit import distribute
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)  # Host 1 of 2, simulated.
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     seen = {}
     try:
         for kind, mesh in (("data_parallel", (2,)), ("model_parallel", (1, 2))):
-            distribution = parallel.make_distribution(kind, mesh)
+            distribution = distribute.make_distribution(kind, mesh)
             keras.distribution.set_distribution(distribution)
             context = datasets.jax_input_context()
             seen[kind] = context and [context.num_input_pipelines, context.input_pipeline_id,

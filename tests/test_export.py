@@ -204,10 +204,12 @@ def test_saved_model_precisions_are_checked(small_model, tmp_path):
     # A quantized model in its own precision is itself, traced for oneDNN's int8 matmuls.
     assert export.model_in_precision(quantized) == (quantized, True)
     assert export.model_in_precision(quantized, "int8") == (quantized, True)
-    with pytest.raises(ValueError, match="--precision is the SavedModel's"):
-        from experiments import export as export_job
-
-        export_job.export_and_check(small_model, "tflite", str(tmp_path / "d.tflite"), precision="int8")
+    # The artefacts' names: a format and its variant.
+    assert export.parse_artefact("saved_model:int8") == ("saved_model", "int8")
+    assert export.parse_artefact("tflite") == ("tflite", None) and export.parse_artefact("onnx") == ("onnx", None)
+    for bad in ("tflite_int8", "tflite:bfloat16", "onnx:int8", "saved_model:"):
+        with pytest.raises(ValueError, match=rf"Unknown export '{bad}'\. Expected one of \['saved_model', "):
+            export.export_artefact(small_model, bad, str(tmp_path / "d"))
     assert not any(tmp_path.iterdir())
     # Each precision of the same model, its float32 the model itself; the float model is left as it was.
     weights = small_model.get_weights()
@@ -335,14 +337,14 @@ def test_export_command_and_training_exports(digits_model, tmp_path):
     model, _ = digits_model
     model.save(tmp_path / "m.keras")
     result = subprocess.run(
-        [sys.executable, "-m", "experiments.export", f"--model={tmp_path / 'm.keras'}", "--format=tflite",
-         "--quantize=dynamic", f"--out={tmp_path / 'm.tflite'}"],
+        [sys.executable, "-m", "experiments.export", f"--model={tmp_path / 'm.keras'}", "--format=tflite:dynamic",
+         f"--out={tmp_path / 'm.tflite'}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MiB)" in result.stdout and "top-1 agreement" in result.stdout
     config = ConfigDict(digits.get_config().to_dict())
-    config.export = "saved_model,tflite_int8,bogus"
-    with pytest.raises(ValueError, match="bogus"):
+    config.export = "saved_model,tflite:int8,bogus"
+    with pytest.raises(ValueError, match=r"config.export='saved_model,tflite:int8,bogus': Unknown export 'bogus'"):
         train.train_and_evaluate(config, str(tmp_path / "never"))
     assert not (tmp_path / "never").exists()  # refused before anything was written

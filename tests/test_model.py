@@ -408,7 +408,7 @@ def test_parameter_counts_of_the_better_plain_vit_models():
 def test_map_and_sincos_models_through_the_model_utilities(kwargs):
     """set_image_size (sin-cos embeddings computed for the new grid, not resampled), replace_head,
     freeze_backbone, count_flops, the layout map and the attention maps work for these options."""
-    from keras_vit import parallel, visualize
+    from keras_vit import distribute, visualize
 
     model = randomize_weights(small_vit(image_size=RECTANGLE, **kwargs))
     bigger = keras_vit.set_image_size(model, (12, 16))
@@ -430,7 +430,7 @@ def test_map_and_sincos_models_through_the_model_utilities(kwargs):
     assert keras_vit.count_flops("testing", **args) == graph_flops(model, RECTANGLE)
 
     mesh = keras.distribution.DeviceMesh((1, 1), ["batch", "model"], ["cpu:0"])
-    assert parallel.get_layout_map(mesh, config=model)["pooling/key_value_kernel"] is None  # replicated
+    assert distribute.get_layout_map(mesh, config=model)["pooling/key_value_kernel"] is None  # replicated
     attentions = visualize.attention_weights(model, random_images((2, *RECTANGLE, 3)))
     assert attentions.shape == (2, 2, 4, 6, 6)
     np.testing.assert_allclose(attentions.sum(-1), 1.0, atol=1e-5)

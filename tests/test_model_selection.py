@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from experiments import datasets, evaluations, models, train
+from experiments import datasets, extra_test_sets, models, train
 from experiments.configs import digits as digits_config
 from keras_vit import callbacks
 from keras_vit import data as vit_data
@@ -210,9 +210,9 @@ def prepare_evaluation_sets(tmp_path, images, labels):
 def test_real_accuracy_counts_a_prediction_among_the_real_labels_and_leaves_out_unlabelled_images():
     logits = np.array([[0.1, 0.9, 0.0], [0.8, 0.1, 0.1], [0.2, 0.3, 0.5], [0.0, 0.0, 1.0]])
     real = np.array([[0, 1, 1], [0, 1, 0], [0, 0, 0], [1, 0, 1]])
-    assert evaluations.real_accuracy(logits, real) == pytest.approx(2 / 3)  # 3 labelled images, 2 hits
+    assert extra_test_sets.real_accuracy(logits, real) == pytest.approx(2 / 3)  # 3 labelled images, 2 hits
     with pytest.raises(ValueError, match="No image has a real label"):
-        evaluations.real_accuracy(logits, np.zeros_like(real))
+        extra_test_sets.real_accuracy(logits, np.zeros_like(real))
 
 
 def test_evaluation_sets_load_their_labels_and_a_missing_one_is_skipped_and_logged(tmp_path, caplog):
@@ -235,7 +235,7 @@ def test_evaluation_sets_load_their_labels_and_a_missing_one_is_skipped_and_logg
     config.extra_evals = {"v3": {"dataset": "tiny_v3", "split": "test", "label": "label"}}
     model = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Flatten(), keras.layers.Dense(10)])
     with caplog.at_level(logging.INFO, logger="absl"):
-        results = evaluations.extra_evaluations(config, model)
+        results = extra_test_sets.extra_evaluations(config, model)
     assert results == {"v3": {"data": "tfds:tiny_v3:test", "skipped": results["v3"]["skipped"]}}
     assert "not prepared in data_dir" in results["v3"]["skipped"]
     assert "Skipped the extra evaluation 'v3' on tfds:tiny_v3:test" in caplog.text
@@ -373,7 +373,7 @@ def test_the_job_reports_the_final_and_the_best_model_on_each_split_and_on_the_e
     for name, model in (("accuracy", final), ("best_accuracy", best)):
         logits = model.predict(images, verbose=0)
         assert extra["v2"][name] == pytest.approx(float(np.mean(logits.argmax(-1) == labels)), abs=1e-6)
-        assert extra["real"][name] == pytest.approx(evaluations.real_accuracy(logits, hot), abs=1e-6)
+        assert extra["real"][name] == pytest.approx(extra_test_sets.real_accuracy(logits, hot), abs=1e-6)
     assert extra["v2"]["examples"] == extra["v2"]["examples_evaluated"] == 40
     assert extra["real"]["examples_with_labels"] == 32 and extra["real"]["data"] == "tfds:tiny_real:validation"
     assert json.loads((workdir / "metrics.json").read_text()) == metrics

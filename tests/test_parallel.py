@@ -1,4 +1,4 @@
-"""keras_vit.parallel: the layout map, the distributions, and training on Keras' JAX backend over
+"""keras_vit.distribute's meshes: the layout map, the distributions, and training on Keras' JAX backend over
 a mesh of 8 (simulated) CPU devices, data parallel and tensor parallel by heads."""
 
 import json
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import keras_vit
-from keras_vit import parallel
+from keras_vit import distribute
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = [f"cpu:{i}" for i in range(8)]
@@ -27,7 +27,7 @@ def test_the_layout_map_shards_every_attention_and_mlp_variable_and_replicates_t
     model = keras_vit.build_vit(
         "testing", image_size=16, num_layers=3, hidden_dim=32, num_heads=4, mlp_dim=64, representation_size=8
     )
-    layout_map = parallel.get_layout_map(_mesh(), config=model)
+    layout_map = distribute.get_layout_map(_mesh(), config=model)
     heads, head_dim = 4, 8
     sharded = {}
     for weight in model.weights:
@@ -36,7 +36,7 @@ def test_the_layout_map_shards_every_attention_and_mlp_variable_and_replicates_t
             continue
         assert len(layout.axes) == len(weight.shape), (weight.path, layout.axes, weight.shape)
         sharded[weight.path] = layout.axes
-    # Written out from the model's structure, not from parallel.BLOCK_LAYOUTS.
+    # Written out from the model's structure, not from distribute.BLOCK_LAYOUTS.
     expected = {}
     for i in range(3):
         block = f"encoderblock_{i}"
@@ -55,7 +55,7 @@ def test_the_layout_map_shards_every_attention_and_mlp_variable_and_replicates_t
     assert {"patch_encoder/position_embedding", "encoderblock_2/mlp_norm/gamma", "pre_logits/kernel"} <= set(replicated)
     assert {"encoderblock_0/attention/output_bias", "encoderblock_0/mlp_dense_2/bias", "head/kernel"} <= set(replicated)
     # Another axis name, and the same keys under a prefix.
-    other = parallel.get_layout_map(_mesh((2, 4), ("data", "tensor")), model_axis="tensor")
+    other = distribute.get_layout_map(_mesh((2, 4), ("data", "tensor")), model_axis="tensor")
     assert other["encoderblock_7/attention/qkv_kernel"].axes == (None, None, "tensor")
     assert other["backbone/encoderblock_0/mlp_dense_2/kernel"].axes == ("tensor", None)
     assert other["encoderblock_0/mlp_dense_2/bias"] is None
@@ -65,30 +65,30 @@ def test_model_parallel_checks_that_heads_and_mlp_divide_over_the_model_axis():
     mesh = _mesh((2, 4))
     model = keras_vit.build_vit("testing", image_size=16, num_heads=4, hidden_dim=8, mlp_dim=8)
     for config in ("B/16", keras_vit.parse_variant("L/16"), model, model.get_layer("encoderblock_0")):
-        parallel.check_model_parallel(config, mesh)
+        distribute.check_model_parallel(config, mesh)
     with pytest.raises(ValueError, match=r"'model' of size 4 .*num_heads=6, mlp_dim=1536.*\[1, 2, 3, 6\]"):
-        parallel.check_model_parallel("S/16", mesh)
+        distribute.check_model_parallel("S/16", mesh)
     with pytest.raises(ValueError, match=r"num_heads=4, mlp_dim=6\b"):
-        parallel.get_layout_map(mesh, config=keras_vit.parse_variant("testing", num_heads=4, hidden_dim=8, mlp_dim=6))
+        distribute.get_layout_map(mesh, config=keras_vit.parse_variant("testing", num_heads=4, hidden_dim=8, mlp_dim=6))
     with pytest.raises(ValueError, match=r"no axis 'model'.*axis_names=\['batch'\]"):
-        parallel.get_layout_map(_mesh((8,), ("batch",)))
+        distribute.get_layout_map(_mesh((8,), ("batch",)))
     with pytest.raises(ValueError, match=r"Expected a model from build_vit.*Received: 3"):
-        parallel.check_model_parallel(3, mesh)
+        distribute.check_model_parallel(3, mesh)
 
 
 def test_make_distribution_errors_name_what_was_received():
     with pytest.raises(ValueError, match=r"one of \('data_parallel', 'model_parallel'\). Received: kind='pipeline'"):
-        parallel.make_distribution("pipeline", devices=DEVICES)
+        distribute.make_distribution("pipeline", devices=DEVICES)
     with pytest.raises(ValueError, match=r"product must be the device count, 8 .*mesh_shape=\(2, 3\) \(6 devices\)"):
-        parallel.make_distribution("model_parallel", (2, 3), devices=DEVICES)
+        distribute.make_distribution("model_parallel", (2, 3), devices=DEVICES)
     with pytest.raises(ValueError, match=r"data_parallel must be \(devices,\) or \(devices, 1\).*mesh_shape=\(4, 2\)"):
-        parallel.make_distribution("data_parallel", (4, 2), devices=DEVICES)
+        distribute.make_distribution("data_parallel", (4, 2), devices=DEVICES)
     with pytest.raises(ValueError, match=r"model_parallel must be \(batch, model\).*mesh_shape=8"):
-        parallel.make_distribution("model_parallel", 8, devices=DEVICES)
+        distribute.make_distribution("model_parallel", 8, devices=DEVICES)
     with pytest.raises(ValueError, match=r"'batch' of size 4 \(mesh shape \(4, 2\)\). Received: batch_size=10. Exp"):
-        parallel.make_distribution("model_parallel", (4, 2), batch_size=10, devices=DEVICES)
+        distribute.make_distribution("model_parallel", (4, 2), batch_size=10, devices=DEVICES)
     with pytest.raises(ValueError, match=r"num_heads=3"):
-        parallel.make_distribution("model_parallel", (4, 2), config="Ti/16", devices=DEVICES)
+        distribute.make_distribution("model_parallel", (4, 2), config="Ti/16", devices=DEVICES)
 
 
 # === Training on 8 devices (Keras' JAX backend, in the jax_without_tensorflow child) ===
@@ -153,7 +153,7 @@ def train_on_eight_devices(out_dir):
     # Meshes over all 8 devices by default; for model parallel the largest model axis that fits.
     defaults = (("data_parallel", None), ("model_parallel", None), ("model_parallel", "S/16"))
     result["default_meshes"] = [
-        list(parallel.make_distribution(kind, config=config).device_mesh.shape) for kind, config in defaults
+        list(distribute.make_distribution(kind, config=config).device_mesh.shape) for kind, config in defaults
     ]
 
     def compiled_step_hlo(model, distribution):
@@ -200,19 +200,19 @@ def train_on_eight_devices(out_dir):
             keras.distribution.set_distribution(None)
 
     train("one_device", None)
-    train("data_parallel", parallel.make_distribution("data_parallel", batch_size=BATCH))
+    train("data_parallel", distribute.make_distribution("data_parallel", batch_size=BATCH))
     config = keras_vit.parse_variant("testing", hidden_dim=HIDDEN, num_heads=HEADS, mlp_dim=MLP, num_layers=LAYERS)
-    train("model_parallel", parallel.make_distribution("model_parallel", MESH, batch_size=BATCH, config=config))
+    train("model_parallel", distribute.make_distribution("model_parallel", MESH, batch_size=BATCH, config=config))
 
     # The same step for the flat layout sharded as it comes: the last axis cut in 4 contiguous
     # pieces, which are not heads (the first holds 24 of the 32 query columns).
     from keras_vit.layers import encoder
 
-    flat = parallel.make_distribution("model_parallel", MESH)
+    flat = distribute.make_distribution("model_parallel", MESH)
     layout_map = keras.distribution.LayoutMap(flat.device_mesh)
-    for name, axes in parallel.BLOCK_LAYOUTS.items():
+    for name, axes in distribute.BLOCK_LAYOUTS.items():
         axes = {"attention/qkv_kernel": (None, "model"), "attention/qkv_bias": ("model",)}.get(name, axes)
-        layout_map[parallel.block_pattern(name)] = axes
+        layout_map[distribute.block_pattern(name)] = axes
     distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
     attention_class, encoder.MultiHeadSelfAttention = encoder.MultiHeadSelfAttention, _flat_qkv_attention_class()
     keras.distribution.set_distribution(distribution)

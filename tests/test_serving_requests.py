@@ -210,7 +210,7 @@ def test_the_export_command_exports_and_checks_each_precision(tmp_path):
     model = _model()
     for precision, tolerance in (("bfloat16", 0.05), ("int8", 0.05)):
         path, difference, agreement = export_job.export_and_check(
-            model, "saved_model", str(tmp_path / precision), warmup=False, precision=precision
+            model, f"saved_model:{precision}", str(tmp_path / precision), warmup=False
         )
         # Against the float32 Keras model on 100 random images: within the precision's rounding.
         scale = float(np.abs(model.predict(export_job.sample_images(model, 100), verbose=0)).max())

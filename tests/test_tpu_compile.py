@@ -156,7 +156,7 @@ def test_model_layout_shards_the_large_kernels(compiled_steps):
     """Split by heads over a model axis of 2, each chip holds half of every block's kernels and of their
     optimizer moments and moving averages (the embeddings, norms and head stay whole): the compiler's argument
     bytes are what those layouts give, and the blocks' share of them halves."""
-    from keras_vit import parallel
+    from keras_vit import distribute
 
     blocks = {}
     for layout in ("data", "model"):
@@ -166,7 +166,7 @@ def test_model_layout_shards_the_large_kernels(compiled_steps):
         # The compiler's bytes are those of the layouts, within the tiles' padding of the small arrays.
         expected = sum(per_chip_bytes(s) for s in keras.tree.flatten(step.arguments))
         assert row["bytes_per_chip"]["arguments"] == pytest.approx(expected, rel=0.01)
-        sharded = [name.replace("/", "_") for name in parallel.BLOCK_LAYOUTS]
+        sharded = [name.replace("/", "_") for name in distribute.BLOCK_LAYOUTS]
         names = [v.name for v in step.model.optimizer.variables]
         kernels = [s for s, name in zip(optimizer, names) if any(k in name for k in sharded)]
         assert len(kernels) == 2 * 6 * 3  # blocks x sharded variables x (2 moments + the moving average)

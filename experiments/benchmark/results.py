@@ -114,7 +114,7 @@ def device_description():
     import keras_vit
     from experiments.benchmark.timing import cpu_name, machine_name
 
-    accelerator = keras_vit.training.accelerator()
+    accelerator = keras_vit.kernels.policy.device()
     device = {
         "machine": machine_name(),
         "accelerator": accelerator,

@@ -223,7 +223,7 @@ def throughput(
     our float32 model with a 16-bit precision).
     """
     peers.check_compare(compare, timm_python)
-    accelerator = keras_vit.training.accelerator()
+    accelerator = keras_vit.kernels.policy.device()
     config = keras_vit.parse_variant(variant)
     flops = keras_vit.flops.count_flops(
         variant, image_size=image_size, num_classes=NUM_CLASSES, training=mode == "train"

@@ -128,8 +128,8 @@ def add_execution_fields(config):
 
 def add_output_fields(config):
     """What is made at the end: exports, figures and evaluations on more test sets."""
-    # Exports into workdir/export, comma separated: saved_model, tflite,
-    # tflite_float16, tflite_dynamic, tflite_int8, onnx.
+    # Exports into workdir/export, comma separated, by the names of keras_vit.export.ARTEFACTS (the export
+    # command's --format): saved_model[:float32|bfloat16|int8], tflite[:float16|dynamic|int8], onnx.
     config.export = ""
     # Figures of keras_vit.visualize for the first few test images (after training), in workdir/figures.
     config.visualize = False

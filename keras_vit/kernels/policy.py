@@ -22,10 +22,10 @@ with oneDNN, wherever the tracing runs: the SavedModels of a CPU precision) and
 `fused_attention(enabled)` (force `keras.ops.dot_product_attention` on or off,
 to compare the two).
 
-The same platform decides whether a step is XLA-compiled (`use_xla`, what
-`keras_vit.training.resolve_jit_compile("auto")` answers), and `default_device`
-says where a backend places ops outside any strategy or distribution (what
-Keras itself reads on JAX, for the guard in `kernels.fused`).
+`device()` is also what `keras_vit.training.resolve_jit_compile("auto")` reads to
+decide whether a step is XLA-compiled, and `default_device` says where a backend
+places ops outside any strategy or distribution (what Keras itself reads on JAX,
+for the guard in `kernels.fused`).
 """
 
 import contextlib
@@ -183,68 +183,3 @@ def fused_attention(enabled):
     the reference form's explicit matmuls and softmax (False), on any backend
     and device. Both compute the same function; for comparing them."""
     return _switch(_FUSED_ATTENTION, bool(enabled))
-
-
-# === XLA or not ===
-
-
-def use_xla(precision=None, training=True, strategy=None):
-    """Whether a step compiled now should be XLA-compiled: what works, and of that what runs
-    fastest, for the distribution strategy, platform and precision (measure it with
-    `python -m experiments.benchmark`). `keras_vit.training.resolve_jit_compile("auto")`.
-
-    - TensorFlow under a strategy over several replicas or a TPU
-      (`MirroredStrategy`, `MultiWorkerMirroredStrategy`, `TPUStrategy`, ...):
-      no XLA, Keras' own rule for `tf.distribute`. A TPU compiles each step
-      with XLA whatever `jit_compile` says; `MirroredStrategy` over several
-      devices of one host cannot run an XLA-compiled step whose variables
-      live on several devices ("Trying to access resource ... located in
-      device CPU:1 from device CPU:0"), and XLA has no CPU collectives for
-      `MultiWorkerMirroredStrategy` ("Collectives are not yet implemented for
-      CPU devices when compiling with XLA").
-    - Otherwise (no strategy or TensorFlow's default one, `OneDeviceStrategy`, Keras' JAX backend with
-      or without `keras.distribution`):
-      - GPU, TPU and the JAX backend: XLA, always.
-      - CPU, TensorFlow with oneDNN (`keras_vit.compat.onednn_enabled()`):
-        - float32: XLA for training, whose backward pass has much
-          element-wise work for XLA to fuse; no XLA for inference, where
-          TensorFlow's graph optimiser fuses the forward pass into oneDNN
-          kernels that run it faster than XLA's CPU code.
-        - bfloat16 or float16: no XLA. oneDNN runs bfloat16 matmuls on the
-          CPU's bfloat16 units (AMX, AVX512-BF16) while XLA's CPU compiler
-          computes them at float32 speed.
-      - CPU, TensorFlow without oneDNN (TensorFlow leaves it off on CPUs
-        without AVX512-VNNI, AVX512-BF16 or AMX): XLA, always; TensorFlow's
-        own CPU kernels then neither fuse the forward pass nor have fast
-        16-bit matmuls.
-
-    Like the kernels' forms, it is decided from where the call is made, each time.
-
-    Args:
-        precision: the dtype policy name ("float32", "mixed_bfloat16", ...);
-            the global policy when None.
-        training: whether the step trains (`fit`) or only predicts.
-        strategy: the `tf.distribute.Strategy` the step runs under; by default
-            the one whose scope is entered (TensorFlow backend).
-    """
-    backend = keras.backend.backend()
-    if backend == "jax":
-        return True
-    if backend == "tensorflow" and not _one_device(strategy):
-        return False
-    if device(backend) != "cpu":
-        return True
-    if not compat.onednn_enabled():
-        return True
-    precision = precision or keras.mixed_precision.global_policy().name
-    return training and keras.mixed_precision.Policy(precision).compute_dtype == "float32"
-
-
-def _one_device(strategy=None):
-    """Whether `strategy` (default: TensorFlow's strategy in force) is none at all, TensorFlow's default one
-    or a `OneDeviceStrategy`, where XLA compiles the step as without a strategy."""
-    import tensorflow as tf
-
-    from keras_vit.distribute import on_one_device
-
-    return on_one_device(strategy or tf.distribute.get_strategy())

@@ -41,7 +41,7 @@ def dense(x, kernel, bias, activation=None):
     A kernel of more than two axes (the attention's (hidden, 3, hidden)) gives
     outputs with its trailing axes, (..., 3, hidden), without reshaping the
     kernel: a reshape would merge an axis that a device mesh may shard
-    (`keras_vit.parallel`) with one it does not. Weights are cast to x's
+    (`keras_vit.distribute`) with one it does not. Weights are cast to x's
     dtype: under a mixed policy the variables are float32 and the activations
     16-bit.
     """

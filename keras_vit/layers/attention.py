@@ -20,7 +20,7 @@ class MultiHeadSelfAttention(Int8Kernels, keras.layers.Layer):
     kernels of shape (hidden, heads, head_dim), each reshaped to (hidden,
     hidden), stacked in that order on the middle axis. The last axis is heads x
     head_dim, so cutting it into N equal pieces gives each piece whole heads
-    when N divides the heads (tensor parallelism, `keras_vit.parallel`). Files
+    when N divides the heads (tensor parallelism, `keras_vit.distribute`). Files
     saved with the earlier (hidden, 3 * hidden) kernel and (3 * hidden,) bias,
     the same numbers in the same order, load unchanged. The softmax runs in
     float32 under mixed precision. How the attention is computed is
