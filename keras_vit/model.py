@@ -2,40 +2,8 @@
 
 A `ViT` is a functional `keras.Model` built from a `keras_vit.ViTSpec` (keras-hub's backbone pattern): its
 config is the spec, so `model.save` and `keras.models.load_model` restore the architecture, the preprocessing and
-the class names with the weights, and `model.preprocessing` and `model.class_names` are the spec's.
-
-Layer names are stable; the checkpoint converters map onto them:
-
-| layer | weights | original checkpoint |
-|---|---|---|
-| `rescaling` (if `include_rescaling`) | none | pixels / 127.5 - 1, or (pixels / 255 - mean) / std |
-| `resnet` (hybrids only) | see `keras_vit.resnet` | `conv_root`, `gn_root`, `block{s}/unit{u}/*` |
-| `patch_encoder` | `kernel`, `bias`, `class_token`, `position_embedding`, and see below | see below |
-| `embedding_dropout` | none | dropout after the position embeddings |
-| `pre_norm` (if `pre_norm`) | `gamma`, `beta` | `pre_norm/{scale,bias}` (timm's `norm_pre`) |
-| `encoderblock_{i}` (i = 0 .. L-1) | see `TransformerBlock` | `Transformer/encoderblock_{i}/*` |
-| `encoder_norm` (unless `pooled_norm`) | `gamma`, `beta` | `Transformer/encoder_norm/{scale,bias}` |
-| `pooling` | none; `MAPHead`'s (classifier "map") | class token or mean of the tokens; `MAPHead_0/*` |
-| `pooled_norm` (if `pooled_norm`) | `gamma`, `beta` | `pooled_norm/{scale,bias}` (timm's `fc_norm`) |
-| `pre_logits` (if `representation_size`) | `kernel`, `bias` | `pre_logits/*` |
-| `head` (if `num_classes`) | `kernel`, `bias` | `head/*` |
-| `head_distillation` (`distillation="head"`) | `kernel`, `bias` | `head_dist/*` |
-
-With `distillation="head"`, `distillation_pooling` reads the distillation token for `head_distillation` and
-`distilled_logits` averages the two heads. The patch encoder also has `distillation_token`, `register_tokens` and
-a `norm` (`patch_norm`) where they are built.
-
-`posembed` stands for `Transformer/posembed_input/pos_embedding`; the patch encoder's weights are `embedding/*`,
-`cls`, posembed, `dist` (DeiT's distillation token) and `reg` (the register tokens): the last two are names no
-original checkpoint has.
-
-Inside `encoderblock_{i}`: `attention_norm` (LayerNorm_0), `attention`
-(MultiHeadDotProductAttention_1; `qkv_kernel` (D, 3, D) is the query, key and
-value kernels, each reshaped to (D, D), stacked on the middle axis, so its last
-axis is heads x head_dim), `mlp_norm` (LayerNorm_2), `mlp_dense_1` and
-`mlp_dense_2` (MlpBlock_3/Dense_0, Dense_1); with `layer_scale`, the block's
-weights `attention_scale` and `mlp_scale` (LayerScale_0/scale, LayerScale_1/scale,
-names no original checkpoint has).
+the class names with the weights, and `model.preprocessing` and `model.class_names` are the spec's.  Its layer
+names are stable, and the checkpoint converters map onto them (the table: docs/model.md, "Structure and layer names").
 """
 
 import re
@@ -59,177 +27,27 @@ def _default_name(variant):
     return "vit_" + "".join(c for c in variant.lower() if c.isalnum())
 
 
-def build_vit(
-    variant,
-    *,
-    image_size=224,
-    dynamic_image_size=False,
-    num_classes=1000,
-    classifier="token",
-    representation_size=None,
-    dropout_rate=0.0,
-    attention_dropout_rate=0.0,
-    stochastic_depth_rate=0.0,
-    include_rescaling=True,
-    pixel_mean=None,
-    pixel_std=None,
-    num_channels=3,
-    head_kernel_initializer="zeros",
-    patch_projection="conv",
-    gelu="exact",
-    position_embedding="learned",
-    pre_norm=False,
-    pooled_norm=False,
-    layer_norm_epsilon=1e-6,
-    layer_scale=None,
-    num_registers=0,
-    qkv_bias=True,
-    distillation=None,
-    norm="layer",
-    patch_norm=False,
-    mlp="plain",
-    class_token=None,
-    sub_norms=False,
-    parallel=1,
-    preprocessing=None,
-    class_names=None,
-    name=None,
-    **overrides,
-):
-    """Builds a Vision Transformer (Dosovitskiy et al. 2020).
+def build_vit(variant, *, name=None, **fields):
+    """Builds a Vision Transformer (Dosovitskiy et al. 2020): the `ViT` of `ViTSpec.from_variant(variant,
+    **fields)`.
 
     Args:
-        variant: paper notation, e.g. "Ti/16", "S/16", "B/16", "L/32", "H/14",
-            or "testing" (a tiny model for tests); see `keras_vit.VARIANTS`.
-        image_size: int or (height, width), each divisible by the patch size.
-        dynamic_image_size: the model takes images of any height and width
-            that divide by the patch size (timm's `dynamic_img_size`): its
-            weights are those of `image_size`, and learned position
-            embeddings are resampled to each input's patch grid in the graph
-            (bicubic with antialias, as timm).  The input shape is then
-            (batch, None, None, channels).
-        num_classes: width of the classification head; None or 0 returns the
-            pooled (pre-logits) features instead: a backbone.
-        classifier: "token" (the class token), "gap" (mean of the patch
-            tokens), "map" (big_vision's multi-head attention pooling,
-            `MAPHead`) or "token_gap" (the class token and the patches' mean,
-            concatenated: DINOv2's linear classifier); with "gap" and "map"
-            the model has no class token.
-        representation_size: if set, a Dense + tanh "pre-logits" layer of this
-            width before the head (used when pre-training on ImageNet-21k).
-        dropout_rate: dropout after the embeddings, the attention and in the MLPs.
-        attention_dropout_rate: dropout on the attention probabilities.
-        stochastic_depth_rate: drop-path rate of the last block; block i uses
-            `stochastic_depth_rate * i / (num_layers - 1)` (linear rule).
-        include_rescaling: map input pixels from [0, 255] to [-1, 1]
-            (x / 127.5 - 1) inside the model, as the original checkpoints
-            expect; the model then takes raw pixels, uint8 or float.
-        pixel_mean, pixel_std: with `include_rescaling`, the per-channel
-            mean and standard deviation of pixels scaled to [0, 1] that the
-            weights were trained with: the model computes
-            (x / 255 - mean) / std (DeiT's and timm's ImageNet statistics,
-            (0.485, 0.456, 0.406) and (0.229, 0.224, 0.225); CLIP's).  Both
-            None: 0.5 and 0.5, the [-1, 1] of the original weights.
-        num_channels: channels of the input images.
-        head_kernel_initializer: initializer of the head's kernel; zeros as in
-            the original implementation (what fine-tuning wants).
-        patch_projection: "conv" or "matmul", see `PatchEncoder`.
-        gelu: the MLPs' activation: "exact" (x * Phi(x)), "quick" (CLIP's
-            x * sigmoid(1.702 x)), "silu" (x * sigmoid(x)) or "tanh", the
-            approximation the original implementation and big_vision compute
-            (Flax's `nn.gelu`): build with "tanh" to reproduce an original
-            checkpoint's outputs to float precision.
-        position_embedding: "learned" (the paper's) or "sincos2d" (fixed 2-D
-            sin-cos embeddings computed from the patch grid, big_vision's
-            "Better plain ViT baselines"; no weights, hidden_dim a multiple of 4).
-        pre_norm: a LayerNorm on the tokens before the first block (timm's
-            `norm_pre`, CLIP's layout).
-        pooled_norm: the final LayerNorm on the pooled features instead of on
-            the tokens (timm's `fc_norm`, its default for GAP models).
-        layer_norm_epsilon: every LayerNorm's epsilon: 1e-6 as the original
-            implementation, big_vision and most of timm; timm's CLIP models
-            use 1e-5, transformers' `google/vit-*` configs 1e-12.
-        layer_scale: None, or the initial value of learned per-channel scales
-            on each block's two residual branches (LayerScale, CaiT; DeiT III,
-            DINOv2: timm's `init_values`).
-        num_registers: register tokens after the class token (Darcet et al.
-            2023; DINOv2 with registers): attended to, not pooled.
-        qkv_bias: the attention's query, key and value have biases (False:
-            timm's `qkv_bias=False`).
-        distillation: DeiT's distillation token (Touvron et al. 2021), after
-            the class token with a position of its own: None (none), "token"
-            (the head reads the class token) or "head" (a second head,
-            `head_distillation`, reads it; the logits are the two heads'
-            mean, as DeiT's distilled models infer).
-        norm: every norm's kind: "layer" (LayerNorm) or "rms" (RMSNorm, Zhang
-            and Sennrich 2019: AIMv2's), with `layer_norm_epsilon`.
-        patch_norm: a norm (of kind `norm`) on the patch embeddings before
-            the tokens and positions are added (timm's `patch_embed.norm`).
-        mlp: the blocks' MLP: "plain" (Dense -> GELU -> Dense) or "swiglu"
-            (SiLU-gated: DINOv2 giant, AIMv2).
-        class_token: None (as `classifier` says), or True with classifier
-            "gap": a class token the mean leaves out (timm's BEiT-3 and EVA
-            layouts with `global_pool="avg"`).
-        sub_norms: norms inside each attention (of its output, before the
-            output projection) and MLP (of its hidden units): BEiT-3's sub-LN.
-        parallel: branches per block: 2 or more sums that many attentions,
-            then that many MLPs, each with its own norm (Touvron et al. 2022,
-            "Three things everyone should know about Vision Transformers").
-        preprocessing: a `keras_vit.Preprocessing` for photos of any size
-            (evaluation and `serving_bytes`), kept by the model; its crop is
-            `image_size`, its mean and std the model's.  None: the shorter
-            side resized to the model's and the center cropped.
-        class_names: a name for each class, kept by the model (the
-            SavedModel's `top_k_names`, the evaluation's reports).
+        variant: paper notation, e.g. "Ti/16", "S/16", "B/16", "L/32", "H/14", a hybrid ("R50+B/16"), or
+            "testing" (a tiny model for tests); see `keras_vit.VARIANTS`.
         name: model name, by default derived from the variant ("vit_b16").
-        **overrides: `hidden_dim`, `num_layers`, `num_heads`, `mlp_dim`,
-            `patch_size`; they win over the variant's table entry.
+        **fields: the `keras_vit.ViTSpec` fields to set (each documented and checked there), e.g.
+            `image_size=384, num_classes=10, classifier="gap"`; `hidden_dim`, `num_layers`, `num_heads`,
+            `mlp_dim` and `patch_size` win over the variant's entry.
 
     Returns:
-        A `keras_vit.ViT` mapping (batch, height, width, channels) images to
-        float32 logits (batch, num_classes), or to the pooled features when
-        `num_classes` is None.
+        A `keras_vit.ViT` mapping (batch, height, width, channels) images to float32 logits (batch,
+        num_classes), or to the pooled features when `num_classes` is None.
 
     >>> model = build_vit("testing", image_size=32, num_classes=10)
     >>> model.output_shape
     (None, 10)
     """
-    spec = ViTSpec.from_variant(
-        variant,
-        image_size=image_size,
-        dynamic_image_size=dynamic_image_size,
-        num_classes=num_classes,
-        classifier=classifier,
-        representation_size=representation_size,
-        dropout_rate=dropout_rate,
-        attention_dropout_rate=attention_dropout_rate,
-        stochastic_depth_rate=stochastic_depth_rate,
-        include_rescaling=include_rescaling,
-        pixel_mean=pixel_mean,
-        pixel_std=pixel_std,
-        num_channels=num_channels,
-        head_kernel_initializer=head_kernel_initializer,
-        patch_projection=patch_projection,
-        gelu=gelu,
-        position_embedding=position_embedding,
-        pre_norm=pre_norm,
-        pooled_norm=pooled_norm,
-        layer_norm_epsilon=layer_norm_epsilon,
-        layer_scale=layer_scale,
-        num_registers=num_registers,
-        qkv_bias=qkv_bias,
-        distillation=distillation,
-        norm=norm,
-        patch_norm=patch_norm,
-        mlp=mlp,
-        class_token=class_token,
-        sub_norms=sub_norms,
-        parallel=parallel,
-        preprocessing=preprocessing,
-        class_names=class_names,
-        **overrides,
-    )
-    return ViT(spec, name=name or _default_name(variant))
+    return ViT(ViTSpec.from_variant(variant, **fields), name=name or _default_name(variant))
 
 
 @register
@@ -268,7 +86,7 @@ class ViT(TrainingSteps, keras.Model):
             spec = ViTSpec.from_config(spec)
         if not isinstance(spec, ViTSpec):
             raise ValueError(f"`spec` must be a keras_vit.ViTSpec. Received: {type(spec).__name__}")
-        images, outputs = _graph(spec, dtype, {layer.name: layer for layer in shared_layers or ()})
+        images, outputs = _build_network(spec, dtype, {layer.name: layer for layer in shared_layers or ()})
         super().__init__(images, outputs, **kwargs)
         self._spec = spec
         for layer_name in frozen_layers:
@@ -395,7 +213,7 @@ def _selected(layer, filters):
     return bool(filters(layer))
 
 
-def _graph(spec, dtype=None, shared=None):
+def _build_network(spec, dtype=None, shared=None):
     """The model's input and output tensors, each layer with the dtype policy `dtype` but the float32 head;
     a layer named in `shared` ({name: layer}) is that layer, called here too."""
     input_size = (None, None) if spec.dynamic_image_size else spec.image_size
@@ -457,9 +275,9 @@ def _graph(spec, dtype=None, shared=None):
                   layer_norm_epsilon=epsilon, norm=spec.norm, **policy)(x)  # fmt: skip
     else:
         # Mean pooling reads the patches' tokens, not the class token nor the registers before them.
-        skip = int(spec.has_class_token) + spec.num_registers if spec.classifier in ("gap", "token_gap") else 0
-        x = layer("pooling", vit_layers.TokenPooling, spec.classifier, **({"skip": skip} if skip else {}),
-                  **policy)(x)  # fmt: skip
+        prefix = int(spec.has_class_token) + spec.num_registers if spec.classifier in ("gap", "token_gap") else 0
+        x = layer("pooling", vit_layers.TokenPooling, spec.classifier,
+                  **({"prefix_tokens": prefix} if prefix else {}), **policy)(x)  # fmt: skip
     if spec.pooled_norm:
         x = layer("pooled_norm", make_norm, spec.norm, epsilon, **policy)(x)
     if spec.representation_size:
@@ -469,7 +287,8 @@ def _graph(spec, dtype=None, shared=None):
         initializer = keras.initializers.get(spec.head_kernel_initializer)  # A name or a config.
         x = layer("head", Dense, spec.num_classes, kernel_initializer=initializer, dtype="float32")(x)
         if spec.distillation == "head":
-            distilled = layer("distillation_pooling", vit_layers.TokenPooling, "token", skip=1, **policy)(tokens)
+            distilled = layer("distillation_pooling", vit_layers.TokenPooling, "token", prefix_tokens=1,
+                              **policy)(tokens)  # fmt: skip
             distilled = layer("head_distillation", Dense, spec.num_classes,
                               kernel_initializer=initializer, dtype="float32")(distilled)  # fmt: skip
             x = layer("distilled_logits", keras.layers.Average, dtype="float32")([x, distilled])

@@ -36,7 +36,7 @@ DISTILLATIONS = (None, "token", "head")
 
 def _optional_positive(name, value):
     """None for None or 0 (no such layer), else a positive int."""
-    if value is None or value == 0:  # 0 and False: no such layer, as build_vit always took them.
+    if value is None or value == 0:  # 0 and False: no such layer.
         return None
     return check_positive_int(name, value, optional=True)
 
@@ -70,33 +70,81 @@ def pixel_statistics(pixel_mean, pixel_std, num_channels):
 
 @dataclasses.dataclass(frozen=True)
 class ViTSpec:
-    """A Vision Transformer: its architecture, how it takes images, and its classes.
+    """A Vision Transformer: its architecture, how it takes images, and its classes; every field is checked
+    here, with a ValueError naming what was received and what was expected.
 
-    Architecture (the arguments of `build_vit`; see there for each):
-        hidden_dim, num_layers, num_heads, mlp_dim, patch_size,
-        resnet_layers: the transformer and, for a hybrid, the ResNet stem's
-            stage sizes (`keras_vit.ViTConfig`'s fields).
-        image_size: (height, width) the weights are made for.
-        dynamic_image_size: the model takes any size divisible by the patch.
-        num_channels, num_classes (None: a backbone), classifier,
-        representation_size, dropout_rate, attention_dropout_rate,
-        stochastic_depth_rate, include_rescaling, head_kernel_initializer,
-        patch_projection, gelu, position_embedding, pre_norm, pooled_norm,
-        layer_norm_epsilon, layer_scale, num_registers, qkv_bias,
-        distillation, norm, patch_norm, mlp, class_token, sub_norms,
-        parallel.
+    `ViTSpec.from_variant("B/16", **fields)` takes the transformer's sizes from the variant's entry
+    (`keras_vit.VARIANTS`) and `keras_vit.build_vit(variant, **fields)` builds the model of that spec.
 
-    Input:
-        pixel_mean, pixel_std: per-channel statistics of pixels in [0, 1]
-            that the model's `rescaling` layer normalises with (None: 0.5
-            and 0.5, pixels to [-1, 1]).
-        preprocessing: a `keras_vit.Preprocessing`, how a photo of any size
-            is resized and cropped for evaluation and serving (None: the
-            shorter side resized to the model's and the center cropped); its
-            crop is `image_size` and its mean and std are the model's.
+    The transformer (`keras_vit.ViTConfig`'s fields; given to `from_variant`, they win over the variant's):
+        hidden_dim, num_layers, num_heads, mlp_dim: the width D, the blocks, the attention heads and the MLP's
+            hidden width.
+        patch_size: int or (height, width).
+        resnet_layers: a hybrid's ResNet stem, its stage sizes; None for a plain ViT.
 
-    Classes:
-        class_names: a name for each of the `num_classes` classes, or None.
+    Images:
+        image_size: int or (height, width) the weights are made for, each divisible by the patch size.
+        dynamic_image_size: the model takes images of any height and width that divide by the patch size
+            (timm's `dynamic_img_size`): learned position embeddings are resampled to each input's patch grid
+            in the graph (bicubic with antialias, as timm); the input shape is (batch, None, None, channels).
+        num_channels: channels of the input images.
+        include_rescaling: the model takes raw pixels (uint8 or float in [0, 255]) and maps them to
+            (x / 255 - mean) / std itself, as the original checkpoints expect.
+        pixel_mean, pixel_std: with `include_rescaling`, the per-channel mean and standard deviation of pixels
+            in [0, 1] the weights were trained with (DeiT's and timm's ImageNet statistics, CLIP's); both None:
+            0.5 and 0.5, pixels to [-1, 1] as the original weights.
+        preprocessing: a `keras_vit.Preprocessing`, how a photo of any size is resized and cropped for
+            evaluation and `serving_bytes`; its crop is `image_size`, its mean and std the model's.  None: the
+            shorter side resized to the model's and the center cropped.
+
+    Tokens:
+        patch_projection: "conv" or "matmul" (see `PatchEncoder`).
+        patch_norm: a norm (of kind `norm`) on the patch embeddings before the tokens and positions are added
+            (timm's `patch_embed.norm`).
+        position_embedding: "learned" (the paper's) or "sincos2d" (fixed 2-D sin-cos embeddings of the patch
+            grid, big_vision's "Better plain ViT baselines"; no weights, hidden_dim a multiple of 4).
+        class_token: None (as `classifier` says), or True with classifier "gap": a class token the mean leaves
+            out (timm's BEiT-3 and EVA layouts with `global_pool="avg"`).
+        num_registers: register tokens after the class token (Darcet et al. 2023; DINOv2 with registers):
+            attended to, not pooled.
+        distillation: DeiT's distillation token (Touvron et al. 2021), after the class token with a position
+            of its own: None, "token" (the head reads the class token) or "head" (a second head,
+            `head_distillation`, reads it; the logits are the two heads' mean, as DeiT's distilled models
+            infer).
+
+    Blocks:
+        pre_norm: a norm on the tokens before the first block (timm's `norm_pre`, CLIP's layout).
+        norm: every norm's kind: "layer" (LayerNorm) or "rms" (RMSNorm, Zhang and Sennrich 2019: AIMv2's).
+        layer_norm_epsilon: every norm's epsilon: 1e-6 as the original implementation, big_vision and most of
+            timm; timm's CLIP models 1e-5, transformers' `google/vit-*` configs 1e-12.
+        gelu: the MLPs' activation: "exact" (x * Phi(x)), "tanh" (the approximation the original
+            implementation and big_vision compute: use it to reproduce an original checkpoint's outputs to float
+            precision), "quick" (CLIP's x * sigmoid(1.702 x)) or "silu" (x * sigmoid(x)).
+        mlp: "plain" (Dense -> GELU -> Dense) or "swiglu" (SiLU-gated: DINOv2 giant, AIMv2).
+        qkv_bias: the attention's query, key and value have biases (False: timm's `qkv_bias=False`).
+        layer_scale: None, or the initial value of learned per-channel scales on each block's two residual
+            branches (LayerScale, CaiT; DeiT III, DINOv2: timm's `init_values`).
+        sub_norms: norms inside each attention (of its output, before the output projection) and MLP (of its
+            hidden units): BEiT-3's sub-LN.
+        parallel: branches per block: 2 or more sums that many attentions, then that many MLPs, each with its
+            own norm (Touvron et al. 2022, "Three things everyone should know about Vision Transformers").
+        dropout_rate: dropout after the embeddings, the attention and in the MLPs.
+        attention_dropout_rate: dropout on the attention probabilities.
+        stochastic_depth_rate: drop-path rate of the last block; block i uses
+            `stochastic_depth_rate * i / (num_layers - 1)` (linear rule).
+
+    Head:
+        classifier: "token" (the class token), "gap" (mean of the patch tokens), "map" (big_vision's
+            multi-head attention pooling, `MAPHead`) or "token_gap" (the class token and the patches' mean,
+            concatenated: DINOv2's linear classifier); "gap" and "map" models have no class token.
+        pooled_norm: the final norm on the pooled features instead of on the tokens (timm's `fc_norm`).
+        representation_size: a Dense + tanh "pre-logits" layer of this width before the head (ImageNet-21k
+            pre-training); None or 0: none.
+        num_classes: the head's width; None or 0: no head, the model returns the pooled features (a backbone).
+        head_kernel_initializer: the head kernel's initializer (a name or a config): zeros as in the original
+            implementation, what fine-tuning wants.
+        class_names: a name for each of the `num_classes` classes, or None (the SavedModel's `top_k_names`,
+            the evaluation's reports).
     """
 
     hidden_dim: int
@@ -155,7 +203,7 @@ class ViTSpec:
                 f"{received!r}, patch_size={self.patch_size}"
             )
         if isinstance(self.include_rescaling, (int, np.integer, np.bool_)) and self.include_rescaling in (0, 1):
-            store("include_rescaling", bool(self.include_rescaling))  # As build_vit took it: 1, np.True_.
+            store("include_rescaling", bool(self.include_rescaling))  # 1 and np.True_ are True.
         for name in ("dynamic_image_size", "include_rescaling", "pre_norm", "pooled_norm", "qkv_bias", "patch_norm",
                      "sub_norms"):  # fmt: skip
             _check_bool(name, getattr(self, name))

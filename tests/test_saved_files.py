@@ -46,3 +46,12 @@ def test_a_saved_model_its_weights_and_its_backup_load_with_the_logits_they_gave
     assert backups.restore_position(resumed, os.path.join(folder, "backup")) == (1, 1)
     np.testing.assert_allclose(resumed.predict(images, verbose=0), logits, rtol=1e-5, atol=1e-5)
     assert int(resumed.optimizer.iterations.numpy()) == 1
+
+
+def test_a_token_pooling_config_in_its_earlier_form_loads():
+    """`prefix_tokens` was `skip` in the configs of earlier files."""
+    from keras_vit.layers import TokenPooling
+
+    earlier = {key: value for key, value in TokenPooling("gap").get_config().items() if key != "prefix_tokens"}
+    pooling = TokenPooling.from_config({**earlier, "skip": 2})
+    assert pooling.prefix_tokens == 2 and "skip" not in pooling.get_config()

@@ -1,6 +1,6 @@
 """The Transformer encoder block and the pooling of its tokens (paper eq. 2-4)."""
 
-import types
+import dataclasses
 
 import keras
 from keras import ops
@@ -58,7 +58,12 @@ class TransformerBlock(keras.layers.Layer):
     Sublayers: `attention_norm`, `attention`, `mlp_norm`, `mlp_dense_1`,
     `mlp_dense_2`, `mlp_gate` with "swiglu", `mlp_sub_norm` with `sub_norms`;
     weights `attention_scale` and `mlp_scale` (hidden,) with `layer_scale`;
-    with `parallel` > 1, branch j's are the same names prefixed `branch{j}_`.
+    with `parallel` > 1, branch j's are the same names prefixed `branch{j}_`,
+    and attention scores come back as every head of every branch.
+
+    Both kinds of block are this one class: Keras' `.keras` and `.weights.h5`
+    files keep a layer's weights under its class's name, so a class of its own
+    for the parallel block would leave the files saved with this one unreadable.
 
     >>> block = TransformerBlock(num_heads=2, mlp_dim=16)
     >>> tuple(block(keras.ops.zeros((1, 5, 8))).shape)
@@ -109,56 +114,50 @@ class TransformerBlock(keras.layers.Layer):
     def build(self, input_shape):
         if len(input_shape) != 3 or input_shape[-1] is None:
             raise ValueError(
-                "TransformerBlock expects tokens of shape (batch, tokens, hidden) with a static "
+                f"{type(self).__name__} expects tokens of shape (batch, tokens, hidden) with a static "
                 f"hidden width. Received: input_shape={tuple(input_shape)}"
             )
-        def shared():  # Made after the first branch's layers and before any weight, as the block always made them.
-            self.dropout = Dropout(self.dropout_rate, seed=self.seed, dtype=self.dtype_policy)
-            self.seed_generator = keras.random.SeedGenerator(self.seed)
+        self.dropout = Dropout(self.dropout_rate, seed=self.seed, dtype=self.dtype_policy)
+        self.seed_generator = keras.random.SeedGenerator(self.seed)
+        for prefix in self._prefixes():
+            self._add_branch(prefix, input_shape)
 
-        # The paper's block: its sublayers and scales as attributes under their own names; parallel blocks' other
-        # branches, each with its own norms, attention, MLP and scales, under `branch{j}_<name>`.
-        for j in range(self.parallel):
-            prefix = f"branch{j}_" if j else ""
-            for name, value in vars(self._branch(prefix, input_shape, shared if j == 0 else None)).items():
-                setattr(self, prefix + name, value)
+    def _prefixes(self):
+        """The name prefix of each branch's sublayers and scales: branch 0 unprefixed (the paper's block)."""
+        return [f"branch{j}_" if j else "" for j in range(self.parallel)]
 
     def _branches(self):
-        """The block's branches (one but for parallel blocks), each a namespace of its sublayers and scales."""
-        return [
-            types.SimpleNamespace(**{name: getattr(self, (f"branch{j}_" if j else "") + name) for name in BRANCH_PARTS})
-            for j in range(self.parallel)
-        ]
+        """The block's branches, each a `Branch` of its sublayers and scales."""
+        return [Branch(**{part: getattr(self, prefix + part) for part in BRANCH_PARTS}) for prefix in self._prefixes()]
 
-    def _branch(self, prefix, input_shape, before_weights=None):
-        """One attention and one MLP with their norms (and scales), built, named with `prefix`; `before_weights`
-        is called once the layers are made, before their weights are (the order of the initial values' draws)."""
+    def _add_branch(self, prefix, input_shape):
+        """One attention and one MLP with their norms (and scales), built, kept as attributes named
+        `prefix` + the part's name (`BRANCH_PARTS`; None where the options leave a part out)."""
         hidden, policy, epsilon = input_shape[-1], self.dtype_policy, self.layer_norm_epsilon
-        branch = types.SimpleNamespace()  # Its fields: BRANCH_PARTS.
-        branch.attention_norm = make_norm(self.norm, epsilon, dtype=policy, name=prefix + "attention_norm")
-        branch.attention = MultiHeadSelfAttention(
-            self.num_heads, dropout_rate=self.attention_dropout_rate, seed=self.seed, qkv_bias=self.qkv_bias,
-            sub_norm=self.norm if self.sub_norms else None, norm_epsilon=epsilon, dtype=policy,
-            name=prefix + "attention",
-        )
-        branch.mlp_norm = make_norm(self.norm, epsilon, dtype=policy, name=prefix + "mlp_norm")
         swiglu = self.mlp == "swiglu"
-        branch.mlp_dense_1 = Dense(self.mlp_dim, activation=None if swiglu else gelu_activation(self.gelu),
-                                   dtype=policy, name=prefix + "mlp_dense_1")  # fmt: skip
-        branch.mlp_gate = Dense(self.mlp_dim, activation="silu", dtype=policy, name=prefix + "mlp_gate") if (
-            swiglu) else None  # fmt: skip
-        # BEiT-3's sub-LN: a norm of the MLP's hidden units before its second layer.
-        branch.mlp_sub_norm = make_norm(self.norm, epsilon, dtype=policy, name=prefix + "mlp_sub_norm") if (
-            self.sub_norms) else None  # fmt: skip
-        branch.mlp_dense_2 = Dense(hidden, dtype=policy, name=prefix + "mlp_dense_2")
-        if before_weights is not None:
-            before_weights()
-        branch.attention_scale = branch.mlp_scale = None
+        branch = Branch(
+            attention_norm=make_norm(self.norm, epsilon, dtype=policy, name=prefix + "attention_norm"),
+            attention=MultiHeadSelfAttention(
+                self.num_heads, dropout_rate=self.attention_dropout_rate, seed=self.seed, qkv_bias=self.qkv_bias,
+                sub_norm=self.norm if self.sub_norms else None, norm_epsilon=epsilon, dtype=policy,
+                name=prefix + "attention",
+            ),
+            mlp_norm=make_norm(self.norm, epsilon, dtype=policy, name=prefix + "mlp_norm"),
+            mlp_dense_1=Dense(self.mlp_dim, activation=None if swiglu else gelu_activation(self.gelu), dtype=policy,
+                              name=prefix + "mlp_dense_1"),
+            mlp_gate=Dense(self.mlp_dim, activation="silu", dtype=policy, name=prefix + "mlp_gate") if swiglu else None,
+            # BEiT-3's sub-LN: a norm of the MLP's hidden units before its second layer.
+            mlp_sub_norm=make_norm(self.norm, epsilon, dtype=policy, name=prefix + "mlp_sub_norm") if (
+                self.sub_norms) else None,
+            mlp_dense_2=Dense(hidden, dtype=policy, name=prefix + "mlp_dense_2"),
+        )  # fmt: skip
         if self.layer_scale is not None:
             initial = keras.initializers.Constant(self.layer_scale)
             branch.attention_scale = self.add_weight(name=prefix + "attention_scale", shape=(hidden,),
                                                      initializer=initial)  # fmt: skip
             branch.mlp_scale = self.add_weight(name=prefix + "mlp_scale", shape=(hidden,), initializer=initial)
+        for part in BRANCH_PARTS:
+            setattr(self, prefix + part, getattr(branch, part))
         hidden_shape = (*input_shape[:-1], self.mlp_dim)
         for layer, shape in (
             (branch.attention_norm, input_shape),
@@ -171,7 +170,6 @@ class TransformerBlock(keras.layers.Layer):
         ):
             if layer is not None:
                 layer.build(shape)
-        return branch
 
     def call(self, inputs, training=None, return_attention_scores=False):
         if not self.trainable:  # Frozen: inference mode, no dropout and no stochastic depth.
@@ -242,9 +240,22 @@ class TransformerBlock(keras.layers.Layer):
         }
 
 
-# What a block's branch holds (`TransformerBlock._branch`): its sublayers (None where not built) and scales.
-BRANCH_PARTS = ("attention_norm", "attention", "mlp_norm", "mlp_dense_1", "mlp_gate", "mlp_sub_norm", "mlp_dense_2",
-                "attention_scale", "mlp_scale")  # fmt: skip
+@dataclasses.dataclass
+class Branch:
+    """One branch of a block: its sublayers (None where the options leave one out) and LayerScale weights."""
+
+    attention_norm: object
+    attention: object
+    mlp_norm: object
+    mlp_dense_1: object
+    mlp_gate: object
+    mlp_sub_norm: object
+    mlp_dense_2: object
+    attention_scale: object = None
+    mlp_scale: object = None
+
+
+BRANCH_PARTS = tuple(field.name for field in dataclasses.fields(Branch))
 
 # The blocks' MLPs: "plain" (Dense -> GELU -> Dense) or "swiglu" (SiLU-gated).
 MLPS = ("plain", "swiglu")
@@ -264,12 +275,13 @@ def check_layer_scale(value):
 class TokenPooling(keras.layers.Layer):
     """Pools the encoder's tokens into one vector per image (paper eq. 4's z_L^0).
 
-    "token": the token after the first `skip` (0: the class token; 1: DeiT's
-    distillation token); "gap": the mean of the tokens after the first `skip`
-    (models built with classifier "gap" have no class token; register
-    tokens, which come first, are left out as timm leaves them out);
-    "token_gap": the class token and the mean of the tokens after the first
-    `skip` (the patches'), concatenated: twice the width (DINOv2's linear
+    "token": the token after the first `prefix_tokens` (0: the class token;
+    1: DeiT's distillation token); "gap": the mean of the tokens after the
+    first `prefix_tokens` (the class and register tokens a model has before
+    its patches; models built with classifier "gap" have no class token, and
+    register tokens are left out as timm leaves them out); "token_gap": the
+    class token and the mean of the tokens after the first `prefix_tokens`
+    (the patches'), concatenated: twice the width (DINOv2's linear
     classifier, transformers' `Dinov2ForImageClassification`).
 
     >>> tuple(TokenPooling("gap")(keras.ops.ones((2, 5, 8))).shape)
@@ -278,26 +290,33 @@ class TokenPooling(keras.layers.Layer):
 
     METHODS = ("token", "gap", "token_gap")
 
-    def __init__(self, method="token", skip=0, **kwargs):
+    def __init__(self, method="token", prefix_tokens=0, **kwargs):
         super().__init__(**kwargs)
         if method not in self.METHODS:
             raise ValueError(f"`method` must be one of {self.METHODS}. Received: method={method!r}")
         self.method = method
-        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
-            raise ValueError(f"`skip` must be an integer >= 0. Received: skip={skip!r}")
-        self.skip = skip
+        if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int) or prefix_tokens < 0:
+            raise ValueError(f"`prefix_tokens` must be an integer >= 0. Received: prefix_tokens={prefix_tokens!r}")
+        self.prefix_tokens = prefix_tokens
 
     def call(self, tokens):
         if self.method == "token":
-            return tokens[:, self.skip]
-        mean = ops.mean(tokens[:, self.skip :], axis=1)
+            return tokens[:, self.prefix_tokens]
+        mean = ops.mean(tokens[:, self.prefix_tokens :], axis=1)
         return ops.concatenate([tokens[:, 0], mean], axis=-1) if self.method == "token_gap" else mean
 
     def compute_output_shape(self, input_shape):
         return (input_shape[0], input_shape[-1] * (2 if self.method == "token_gap" else 1))
 
     def get_config(self):
-        return {**super().get_config(), "method": self.method, "skip": self.skip}
+        return {**super().get_config(), "method": self.method, "prefix_tokens": self.prefix_tokens}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if "skip" in config:  # The name `prefix_tokens` had in the configs of earlier files.
+            config["prefix_tokens"] = config.pop("skip")
+        return cls(**config)
 
 
 @register
