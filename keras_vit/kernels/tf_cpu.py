@@ -48,7 +48,14 @@ def layer_norm_for_inference(x, gamma, beta, epsilon):
         is_training=True,
     ).y
     normalised = tf.reshape(normalised, tf.shape(x))
-    return tf.raw_ops.Snapshot(input=normalised * ops.cast(gamma, x.dtype) + ops.cast(beta, x.dtype))
+    return _snapshot(normalised * ops.cast(gamma, x.dtype) + ops.cast(beta, x.dtype))
+
+
+@tf.custom_gradient
+def _snapshot(x):
+    """x through a Snapshot op (see `layer_norm_for_inference`), whose gradient is the identity's (TensorFlow
+    registers none for Snapshot: a frozen layer's norm is traced in this form and still passes gradients)."""
+    return tf.raw_ops.Snapshot(input=x), lambda upstream: upstream
 
 
 def layer_norm_for_training(x, gamma, beta, epsilon):
