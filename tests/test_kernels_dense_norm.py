@@ -93,6 +93,14 @@ def test_cpu_inference_layer_norm_matches_the_reference(dtype, tolerance):
     np.testing.assert_allclose(tf.cast(then_add(x), tf.float32).numpy(),
                                tf.cast(want + tf.cast(positions, dtype), tf.float32).numpy(), rtol=tolerance,
                                atol=2 * tolerance)  # fmt: skip
+    # Gradients pass through it (a frozen layer's norm is traced in this form while what follows trains).
+    if dtype == "float32":
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            weights = tf.constant(rng.normal(0.0, 1.0, (3, 7, 40)), tf.float32)
+            got = tf.reduce_sum(tf_cpu.layer_norm_for_inference(x, gamma, beta, 1e-6) * weights)
+            want = tf.reduce_sum(reference.layer_norm(x, gamma, beta, 1e-6) * weights)
+        np.testing.assert_allclose(tape.gradient(got, x).numpy(), tape.gradient(want, x).numpy(), atol=1e-4)
 
 
 @tensorflow_only
