@@ -387,9 +387,8 @@ def test_map_model_pools_the_encoder_tokens_with_the_map_head():
     weights = {v.path: keras.ops.convert_to_numpy(v) for v in model.weights if v.path.startswith("pooling/")}
     params = checkpoints.to_checkpoint(weights, SMALL["num_heads"])
     params = {key[len("MAPHead_0/") :]: value.astype(np.float64) for key, value in params.items()}
-    tanh = lambda x: 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))  # noqa: E731
     head = model.get_layer("head")
-    expected = numpy_vit.map_head(tokens, params, tanh) @ head.kernel.numpy() + head.bias.numpy()
+    expected = numpy_vit.map_head(tokens, params, numpy_vit.gelu_tanh) @ head.kernel.numpy() + head.bias.numpy()
     np.testing.assert_allclose(model.predict(images, verbose=0), expected, atol=1e-5, rtol=1e-5)
 
 
