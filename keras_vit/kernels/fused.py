@@ -141,7 +141,7 @@ def keeps_off_keras_splash():
 
     The guard can go when Keras' TPU route builds a full mask for `mask=None,
     is_causal=False` and scales the logits by `scale` exactly:
-    tests/test_kernels.py runs that route (Splash interpreted on the CPU) and
+    tests/test_kernels_attention.py runs that route (Splash interpreted on the CPU) and
     its line asserting that the route still differs fails once it no longer does.
     """
     target = policy.current()

@@ -2,7 +2,7 @@
 attention in two halves of the batch, ThreeFry dropout masks under XLA.
 
 Each computes the function of its reference form (`keras_vit.kernels.reference`)
-within float32 rounding (tests/test_kernels.py). `keras_vit.kernels` picks them
+within float32 rounding (tests/test_kernels_*.py). `keras_vit.kernels` picks them
 for ops traced for a CPU with TensorFlow, outside `portable_ops()`.
 """
 
