@@ -345,8 +345,10 @@ def test_vit_fit_save_reload_predicts_the_same(tmp_path):
     assert int(model.optimizer.iterations.numpy()) == 8
     trained = model.predict(images, verbose=0)
     assert np.abs(trained - before).max() > 1e-3  # It trained.
-    # Inference does not mix: predict on uint8 equals a direct call on the same pixels as floats.
-    np.testing.assert_allclose(trained, model(images.astype("float32"), training=False), rtol=0, atol=1e-6)
+    # Inference does not mix: predict on uint8 equals a direct call on the same pixels as floats, up to float32
+    # rounding (predict's graph runs oneDNN's fused layer norm and matmuls, the eager call the ops one by one:
+    # 7e-7 and 1.4e-6 apart on logits near 1 with two different initial weights); mixing would move them by far more.
+    np.testing.assert_allclose(trained, model(images.astype("float32"), training=False), rtol=0, atol=1e-5)
     model.save(tmp_path / "model.keras")
     for path in ("best.keras", "model.keras"):
         loaded = keras.saving.load_model(tmp_path / path)
