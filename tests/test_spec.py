@@ -1,6 +1,7 @@
 """`ViTSpec` is where the model's options are defined: each documented once there, `build_vit` a thin call on
 it, and the defaults that docs/model.md lists are the spec's."""
 
+import ast
 import dataclasses
 import inspect
 import re
@@ -28,8 +29,8 @@ def test_the_defaults_docs_list_are_the_specs():
                 if field.default is not dataclasses.MISSING and field.name != "resnet_layers"}  # fmt: skip
     assert set(documented) == set(defaults)
     for name, value in documented.items():
-        expected = defaults[name]
-        assert eval(value) == (expected[0] if name == "image_size" else expected), name  # 224 for (224, 224)
+        expected = defaults[name][0] if name == "image_size" else defaults[name]  # 224 stands for (224, 224)
+        assert ast.literal_eval(value) == expected, name
 
 
 def test_build_vit_is_the_model_of_the_spec_with_its_errors():

@@ -65,7 +65,7 @@ def predict_throughput(variant, image_size, batches, count, repeats, threads=Non
         )
         keras_path = os.path.join(tmp, "model.keras")
         model.save(keras_path)
-        sessions = onnxruntime_sessions(keras_path, tmp, threads, timm_peer(variant, image_size, 1000, timm_python))
+        sessions = onnxruntime_sessions(keras_path, tmp, threads, timm_peer(model, timm_python))
         artefacts = {"keras (.keras)": model}
         load_seconds = {}
         for name, folder in saved_models(model, tmp).items():  # Loaded once, as a server or a long job does.

@@ -79,11 +79,12 @@ def _timm_pixels(x):
     return np.ascontiguousarray((x.astype(np.float32) / 127.5 - 1.0).transpose(0, 3, 1, 2))
 
 
-def timm_peer(variant, image_size, num_classes, timm_python=None):
-    """What `onnxruntime_sessions` needs to export timm's ViT of `variant`'s architecture, where timm imports (in
-    this interpreter or in `timm_python`); else None, and says so."""
+def timm_peer(model, timm_python=None):
+    """What `onnxruntime_sessions` needs to export timm's ViT of `model`'s architecture, size and classes, where
+    timm imports (in this interpreter or in `timm_python`); else None, and says so."""
     if timm_python or importlib.util.find_spec("timm"):
-        return keras_vit.parse_variant(variant), image_size, num_classes, timm_python
+        spec = model.spec
+        return spec.config, spec.image_size[0], spec.num_classes, timm_python
     print("timm is not installed here (--timm_python names an interpreter that has it): its ONNX export is left out.")
     return None
 
@@ -154,7 +155,7 @@ def serving(variant, image_size, repeats, batches=(1,), threads=None, timm_pytho
         keras_path = os.path.join(tmp, "model.keras")
         model.save(keras_path)
         sizes = {"keras (.keras)": os.path.getsize(keras_path)}
-        onnx = onnxruntime_sessions(keras_path, tmp, threads, timm_peer(variant, image_size, 1000, timm_python))
+        onnx = onnxruntime_sessions(keras_path, tmp, threads, timm_peer(model, timm_python))
         keras_fn = tf.function(lambda x: model(x, training=False))
         functions = {"keras (.keras)": lambda x: keras_fn(tf.cast(x, tf.float32))}
         for name, saved in saved_models(model, tmp).items():
