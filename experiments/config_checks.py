@@ -10,7 +10,7 @@ import numbers
 import keras
 
 from keras_vit import training
-from keras_vit.layers.core import GELUS
+from keras_vit.layers.core import MLP_ACTIVATIONS
 from keras_vit.model import CLASSIFIERS, POSITION_EMBEDDINGS
 from keras_vit.variants import ViTConfig, parse_variant, to_pair
 
@@ -61,7 +61,7 @@ def _check_model(config):
         ) from None
     _one_of("model.classifier", model.get("classifier", "token"), CLASSIFIERS)
     _one_of("model.position_embedding", model.get("position_embedding", "learned"), POSITION_EMBEDDINGS)
-    _one_of("model.gelu", model.get("gelu", "exact"), GELUS)
+    _one_of("model.activation", model.get("activation", "gelu"), MLP_ACTIVATIONS)
     for rate in ("dropout_rate", "attention_dropout_rate", "stochastic_depth_rate"):
         if rate in model:
             _real(f"model.{rate}", model[rate], 0.0, 1.0, high_open=True)

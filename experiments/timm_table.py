@@ -40,9 +40,9 @@ that differ from the architecture's own definition; the arrays of `model.safeten
 patch size and which parts exist, but not the number of attention heads, the activation, LayerNorm's epsilon
 or options that change the function without adding weights.  Those come from this table, one row per
 architecture registered in timm {version}'s `vision_transformer.py` and `deit.py`, read off each model built on
-PyTorch's meta device by `python -m experiments.timm_table` (which wrote this file): (attention heads, GELU
-form ("exact", "tanh", "quick", or another activation's name), the norms' epsilon, dynamic image size by
-default, the parts in `FEATURES` it has).
+PyTorch's meta device by `python -m experiments.timm_table` (which wrote this file): (attention heads, the MLP's
+activation (by the names of `keras_vit.layers.core.MLP_ACTIVATIONS`, or another's), the norms' epsilon, dynamic
+image size by default, the parts in `FEATURES` it has).
 """
 
 # The parts a row can name, in words.
@@ -96,9 +96,9 @@ def describe(model):
     if "rms" in type(norm).__name__.lower():
         features.add("rms_norm")
     act = getattr(mlp, "act", None)
-    activation = {"GELUTanh": "tanh", "QuickGELU": "quick"}.get(type(act).__name__, "exact")
+    activation = {"GELUTanh": "gelu_tanh", "QuickGELU": "quick_gelu"}.get(type(act).__name__, "gelu")
     if type(act).__name__ == "GELU":
-        activation = "tanh" if getattr(act, "approximate", "none") == "tanh" else "exact"
+        activation = "gelu_tanh" if getattr(act, "approximate", "none") == "tanh" else "gelu"
     elif type(act).__name__ not in ("GELUTanh", "QuickGELU", "NoneType"):
         activation = type(act).__name__.lower()
         if activation == "silu" and "swiglu" not in features:

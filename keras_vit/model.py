@@ -257,7 +257,7 @@ def _build_network(spec, dtype=None, shared=None):
             dropout_rate=spec.dropout_rate,
             attention_dropout_rate=spec.attention_dropout_rate,
             stochastic_depth_rate=spec.stochastic_depth_rate * depth_fraction,
-            gelu=spec.gelu,
+            activation=spec.activation,
             layer_norm_epsilon=epsilon,
             **({"layer_scale": spec.layer_scale} if spec.layer_scale is not None else {}),
             **({} if spec.qkv_bias else {"qkv_bias": False}),
@@ -271,7 +271,7 @@ def _build_network(spec, dtype=None, shared=None):
         x = layer("encoder_norm", make_norm, spec.norm, epsilon, **policy)(x)
     tokens = x
     if spec.classifier == "map":
-        x = layer("pooling", vit_layers.MAPHead, spec.num_heads, spec.mlp_dim, gelu=spec.gelu,
+        x = layer("pooling", vit_layers.MAPHead, spec.num_heads, spec.mlp_dim, activation=spec.activation,
                   layer_norm_epsilon=epsilon, norm=spec.norm, **policy)(x)  # fmt: skip
     else:
         # Mean pooling reads the patches' tokens, not the class token nor the registers before them.

@@ -18,7 +18,7 @@ import keras
 import numpy as np
 
 from keras_vit.layers.common import check_positive_int, check_rate
-from keras_vit.layers.core import check_norm, gelu_activation
+from keras_vit.layers.core import MLP_ACTIVATIONS, check_norm, mlp_activation, read_activation
 from keras_vit.layers.embedding import PatchEncoder
 from keras_vit.layers.encoder import MLPS, check_layer_scale
 from keras_vit.preprocessing import Preprocessing
@@ -117,9 +117,10 @@ class ViTSpec:
         norm: every norm's kind: "layer" (LayerNorm) or "rms" (RMSNorm, Zhang and Sennrich 2019: AIMv2's).
         layer_norm_epsilon: every norm's epsilon: 1e-6 as the original implementation, big_vision and most of
             timm; timm's CLIP models 1e-5, transformers' `google/vit-*` configs 1e-12.
-        gelu: the MLPs' activation: "exact" (x * Phi(x)), "tanh" (the approximation the original
-            implementation and big_vision compute: use it to reproduce an original checkpoint's outputs to float
-            precision), "quick" (CLIP's x * sigmoid(1.702 x)) or "silu" (x * sigmoid(x)).
+        activation: the MLPs' activation, by timm's names: "gelu" (x * Phi(x)), "gelu_tanh" (its tanh
+            approximation, which the original implementation and big_vision compute: use it to reproduce an
+            original checkpoint's outputs to float precision), "quick_gelu" (CLIP's x * sigmoid(1.702 x)) or
+            "silu" (x * sigmoid(x)).
         mlp: "plain" (Dense -> GELU -> Dense) or "swiglu" (SiLU-gated: DINOv2 giant, AIMv2).
         qkv_bias: the attention's query, key and value have biases (False: timm's `qkv_bias=False`).
         layer_scale: None, or the initial value of learned per-channel scales on each block's two residual
@@ -167,7 +168,7 @@ class ViTSpec:
     pixel_std: tuple = None
     head_kernel_initializer: object = "zeros"  # A name, or an initializer's config (keras.initializers.serialize).
     patch_projection: str = "conv"
-    gelu: str = "exact"
+    activation: str = "gelu"
     position_embedding: str = "learned"
     pre_norm: bool = False
     pooled_norm: bool = False
@@ -245,7 +246,7 @@ class ViTSpec:
                 f"`patch_projection` must be one of {PATCH_PROJECTIONS}. Received: "
                 f"patch_projection={self.patch_projection!r}"
             )
-        gelu_activation(self.gelu)
+        mlp_activation(self.activation)
         epsilon = self.layer_norm_epsilon
         if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not 0 < epsilon < 1:
             raise ValueError(
@@ -326,6 +327,11 @@ class ViTSpec:
     def from_variant(cls, variant, **fields):
         """The spec of `variant` ("B/16", "R50+B/16", "testing", ...) with `fields` set; `hidden_dim`,
         `num_layers`, `num_heads`, `mlp_dim` and `patch_size` win over the variant's table entry."""
+        if "gelu" in fields:  # The field's name in configs saved before it was `activation` (`read_activation`).
+            raise ValueError(
+                f"The MLPs' activation is the field `activation`, one of {MLP_ACTIVATIONS}. Received: "
+                f"gelu={fields['gelu']!r}"
+            )
         architecture = {field.name for field in dataclasses.fields(ViTConfig)}
         own = {field.name for field in dataclasses.fields(cls)} - architecture
         # The sizes, and anything that is no field, to parse_variant: it takes OVERRIDABLE and names the rest.
@@ -371,12 +377,13 @@ class ViTSpec:
 
     @classmethod
     def from_config(cls, config):
-        """The spec that `to_config` wrote; unknown fields are refused by name."""
+        """The spec that `to_config` wrote (a `gelu` entry, as files saved before the field was named
+        `activation` hold it, is read as `activation`); unknown fields are refused by name."""
+        config = read_activation(dict(config))
         known = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"Unknown ViTSpec field(s) {unknown}. Expected a subset of {sorted(known)}.")
-        config = dict(config)
         if config.get("preprocessing") is not None:
             config["preprocessing"] = Preprocessing(**config["preprocessing"])
         return cls(**config)

@@ -95,7 +95,7 @@ def test_big_vision_checkpoint_loads_and_computes_big_visions_forward_pass(tmp_p
     """A file in big_vision's layout, written with NumPy, loads into the model built with the same
     options (and the tanh GELU) and gives big_vision's outputs within 1e-5; save_npz then load is exact."""
     params = big_vision_checkpoint(3, posemb=posemb, pool=pool)
-    model = small_vit(gelu="tanh", **kwargs)
+    model = small_vit(activation="gelu_tanh", **kwargs)
     assert keras_vit.load_pretrained(model, write_npz(params, tmp_path / "bv.npz")) == []
     images = random_images((3, 16, 16, 3))
     expected = numpy_big_vision_forward(params, images, numpy_vit.gelu_tanh)
@@ -107,7 +107,7 @@ def test_big_vision_checkpoint_loads_and_computes_big_visions_forward_pass(tmp_p
     saved = checkpoints.read_npz(str(tmp_path / "ours.npz"))
     assert ("Transformer/posembed_input/pos_embedding" in saved) == (posemb == "learn")
     assert ("MAPHead_0/MultiHeadDotProductAttention_0/key/kernel" in saved) == (pool == "map")
-    again = small_vit(gelu="tanh", **kwargs)
+    again = small_vit(activation="gelu_tanh", **kwargs)
     keras_vit.load_pretrained(again, str(tmp_path / "ours.npz"))
     for key, value in weights_of(model).items():
         np.testing.assert_array_equal(weights_of(again)[key], value, err_msg=key)

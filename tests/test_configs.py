@@ -69,7 +69,7 @@ def test_imagenet_s16_is_big_vision_vit_s16_i1k():
     assert config.augment.mixup_alpha == 0.2 and config.augment.cutmix_alpha == 0.0
     assert dict(config.model) == {
         "variant": "S/16", "classifier": "gap", "position_embedding": "sincos2d", "representation_size": 384,
-        "dropout_rate": 0.0, "attention_dropout_rate": 0.0, "stochastic_depth_rate": 0.0, "gelu": "exact",
+        "dropout_rate": 0.0, "attention_dropout_rate": 0.0, "stochastic_depth_rate": 0.0, "activation": "gelu",
     }
     assert {name: (e.dataset, e.split, e.label) for name, e in config.extra_evals.items()} == {
         "v2": ("imagenet_v2", "test", "label"), "real": ("imagenet2012_real", "validation", "real_label"),

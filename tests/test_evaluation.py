@@ -199,7 +199,7 @@ def test_the_job_reads_a_savedmodel_and_pretrained_weights(tmp_path):
                                model.predict(images, verbose=0), atol=1e-5)
     # An original .npz is read as the original code computes it (tanh GELU): close, not equal.
     pretrained = job.load_model(str(tmp_path / "weights.npz"))
-    assert pretrained.get_layer("encoderblock_0").gelu == "tanh"
+    assert pretrained.get_layer("encoderblock_0").activation == "gelu_tanh"
     data, names, what, _ = job.evaluation_data(pretrained, "digits", "test")
     assert data[0].shape[1:] == (16, 16, 3) and names == [str(i) for i in range(10)] and "test" in what
 

@@ -20,8 +20,8 @@ FAMILY_OPTIONS = {
     "registers": dict(num_registers=3),
     "registers_gap": dict(num_registers=2, classifier="gap"),
     "no_qkv_bias": dict(qkv_bias=False),
-    "quick_gelu": dict(gelu="quick"),
-    "silu": dict(gelu="silu"),
+    "quick_gelu": dict(activation="quick_gelu"),
+    "silu": dict(activation="silu"),
     "dinov2_registers": dict(layer_scale=1e-5, num_registers=4),
     "distilled": dict(distillation="head"),
     "distillation_token": dict(distillation="token"),
@@ -43,7 +43,7 @@ def test_family_options_match_the_numpy_reference_and_survive_saving(name, tmp_p
     model = randomize_weights(small_vit(**kwargs))
     images = random_images((3, 16, 16, 3))
     params, num_layers = numpy_vit.params_from_model(model)
-    activation = {"quick": numpy_vit.gelu_quick, "silu": numpy_vit.silu}.get(kwargs.get("gelu"))
+    activation = {"quick_gelu": numpy_vit.gelu_quick, "silu": numpy_vit.silu}.get(kwargs.get("activation"))
     classifier = kwargs.get("classifier", "token")
     expected = numpy_vit.vit_forward(params, num_layers, images, classifier=classifier, activation=activation)
     got = model.predict(images, verbose=0)
@@ -87,8 +87,8 @@ def blocks_parameters(model):
         pytest.param(dict(layer_scale=1e-6), 2 * DIM * LAYERS, {}, id="layer_scale"),  # 2 D per block
         pytest.param(dict(num_registers=4), 4 * DIM, {}, id="num_registers"),  # R D
         pytest.param(dict(qkv_bias=False), -3 * DIM * LAYERS, {}, id="qkv_bias=False"),  # 3 D per block
-        pytest.param(dict(gelu="quick"), 0, {}, id="gelu=quick"),
-        pytest.param(dict(gelu="silu"), 0, {}, id="gelu=silu"),
+        pytest.param(dict(activation="quick_gelu"), 0, {}, id="activation=quick_gelu"),
+        pytest.param(dict(activation="silu"), 0, {}, id="activation=silu"),
         # RMSNorm: no bias in its 2 L + 1 norms.
         pytest.param(dict(norm="rms"), -DIM * (2 * LAYERS + 1), {}, id="norm=rms"),
         # SwiGLU: a gate as large as the first MLP layer.
@@ -121,7 +121,7 @@ def test_each_family_option_has_its_parameter_count(options, added, than):
                      id="distillation=head,num_classes=0"),
         pytest.param(dict(layer_scale=0.0), "layer_scale", id="layer_scale=0"),
         pytest.param(dict(num_registers=-1), "num_registers", id="num_registers=-1"),
-        pytest.param(dict(gelu="swish"), "quick", id="gelu=swish"),
+        pytest.param(dict(activation="swish"), "quick_gelu", id="activation=swish"),
     ],
 )  # fmt: skip
 def test_family_options_refuse_what_they_cannot_take(options, message):

@@ -37,9 +37,9 @@ LAYER_CASES = [
         (2, 5, 8),
         12,
     ),
-    (vit_layers.TransformerBlock, dict(num_heads=2, mlp_dim=16, gelu="tanh"), (2, 5, 8), 12),
+    (vit_layers.TransformerBlock, dict(num_heads=2, mlp_dim=16, activation="gelu_tanh"), (2, 5, 8), 12),
     (vit_layers.TokenPooling, dict(method="gap"), (2, 5, 8), 0),
-    (vit_layers.MAPHead, dict(num_heads=2, mlp_dim=16, gelu="tanh", layer_norm_epsilon=1e-5), (2, 5, 8), 13),
+    (vit_layers.MAPHead, dict(num_heads=2, mlp_dim=16, activation="gelu_tanh", layer_norm_epsilon=1e-5), (2, 5, 8), 13),
     (vit_layers.Dropout, dict(rate=0.2, seed=4), (2, 5, 8), 0),
     (vit_layers.Dense, dict(units=6, activation="gelu"), (2, 5, 8), 2),
     (vit_layers.LayerNormalization, dict(epsilon=1e-6), (2, 5, 8), 2),
@@ -142,13 +142,13 @@ def test_stochastic_depth_drops_whole_samples_in_training_only():
         (lambda: vit_layers.MultiHeadSelfAttention(-2), r"num_heads=-2"),
         (lambda: vit_layers.MultiHeadSelfAttention(2, dropout_rate=1.5), r"dropout_rate=1.5"),
         (lambda: vit_layers.TransformerBlock(2, 0), r"mlp_dim=0"),
-        (lambda: vit_layers.TransformerBlock(2, 8, gelu="erf"), r"gelu='erf'"),
+        (lambda: vit_layers.TransformerBlock(2, 8, activation="erf"), r"activation='erf'"),
         (lambda: vit_layers.TokenPooling("max"), r"method='max'"),
         (lambda: vit_layers.PatchEncoder(8, 4, position_embedding="fixed"), r"position_embedding='fixed'"),
         (lambda: vit_layers.PatchEncoder(10, 4, position_embedding="sincos2d"), r"multiple of 4.*hidden_dim=10"),
         (lambda: vit_layers.PatchEncoder(4, 4, position_embedding="sincos2d"), r"at least 8.*hidden_dim=4"),
         (lambda: vit_layers.MAPHead(0, 8), r"num_heads=0"),
-        (lambda: vit_layers.MAPHead(2, 8, gelu="fast"), r"gelu='fast'"),
+        (lambda: vit_layers.MAPHead(2, 8, activation="fast"), r"activation='fast'"),
     ],
 )
 def test_layer_constructor_errors(make, pattern):
@@ -282,10 +282,10 @@ def test_tanh_gelu_dense_matches_numpy_in_every_form():
     assert clone.activation is gelu_tanh
 
 
-@pytest.mark.parametrize("gelu, function", [("exact", numpy_gelu_exact), ("tanh", numpy_vit.gelu_tanh)])
-def test_transformer_block_gelu_option(gelu, function):
+@pytest.mark.parametrize("activation, function", [("gelu", numpy_gelu_exact), ("gelu_tanh", numpy_vit.gelu_tanh)])
+def test_transformer_block_activation_option(activation, function):
     """The block's MLP computes the GELU it was built with."""
-    block = vit_layers.TransformerBlock(num_heads=2, mlp_dim=16, gelu=gelu)
+    block = vit_layers.TransformerBlock(num_heads=2, mlp_dim=16, activation=activation)
     block.build((None, 5, 8))
     dense = block.mlp_dense_1
     rng = np.random.default_rng(1)
@@ -325,15 +325,15 @@ def test_sincos_patch_encoder_adds_the_fixed_embeddings(use_class_token):
 # === MAP head ===
 
 
-@pytest.mark.parametrize("gelu, function", [("exact", numpy_gelu_exact), ("tanh", numpy_vit.gelu_tanh)])
-def test_map_head_matches_numpy_reference(gelu, function):
+@pytest.mark.parametrize("activation, function", [("gelu", numpy_gelu_exact), ("gelu_tanh", numpy_vit.gelu_tanh)])
+def test_map_head_matches_numpy_reference(activation, function):
     from keras_vit import checkpoints
 
     dim, heads, mlp_dim = 16, 4, 24
     rng = np.random.default_rng(2)
     params = numpy_vit.random_map_head_params(rng, dim, heads, mlp_dim)
     assert sum(v.size for v in params.values()) == numpy_vit.map_head_params(dim, mlp_dim)
-    head = vit_layers.MAPHead(heads, mlp_dim, gelu=gelu)
+    head = vit_layers.MAPHead(heads, mlp_dim, activation=activation)
     tokens = rng.normal(0.0, 1.0, (3, 7, dim)).astype("float32")
     head.build(tokens.shape)
     assert head.count_params() == numpy_vit.map_head_params(dim, mlp_dim)

@@ -40,8 +40,8 @@ def test_forward_matches_numpy_reference(kwargs):
 
 
 def test_tanh_gelu_matches_numpy_reference():
-    """gelu="tanh": the reference with the tanh GELU within 1e-5, and clearly not the exact one."""
-    model = randomize_weights(small_vit(gelu="tanh"))
+    """activation="gelu_tanh": the reference with the tanh GELU within 1e-5, and clearly not the exact one."""
+    model = randomize_weights(small_vit(activation="gelu_tanh"))
     images = random_images((3, 16, 16, 3))
     params, num_layers = numpy_vit.params_from_model(model)
     exact = numpy_vit.vit_forward(params, num_layers, images)
@@ -49,7 +49,7 @@ def test_tanh_gelu_matches_numpy_reference():
     got = model.predict(images, verbose=0)
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
     assert np.abs(got - exact).max() > 1e-4
-    assert [model.get_layer(f"encoderblock_{i}").gelu for i in range(num_layers)] == ["tanh"] * num_layers
+    assert [model.get_layer(f"encoderblock_{i}").activation for i in range(num_layers)] == ["gelu_tanh"] * num_layers
 
 
 def test_uint8_and_float_pixels_give_the_same_output():
@@ -102,9 +102,9 @@ def test_pixel_mean_and_std_normalise_as_the_weights_expect(tmp_path):
         dict(),
         dict(classifier="gap", representation_size=8, dropout_rate=0.1, stochastic_depth_rate=0.1),
         dict(num_classes=None, attention_dropout_rate=0.1),
-        dict(gelu="tanh"),
+        dict(activation="gelu_tanh"),
         dict(position_embedding="sincos2d"),
-        dict(classifier="map", position_embedding="sincos2d", gelu="tanh"),
+        dict(classifier="map", position_embedding="sincos2d", activation="gelu_tanh"),
         dict(classifier="gap", pre_norm=True, pooled_norm=True),
     ],
 )
@@ -212,7 +212,8 @@ def test_xla_compiled_train_step_runs_and_learns():
         (dict(num_channels=0), r"num_channels=0"),
         (dict(classifier="cls"), r"classifier='cls'"),
         (dict(dropout_rate=1.0), r"dropout_rate=1.0"),
-        (dict(gelu="approximate"), r"gelu='approximate'"),
+        (dict(activation="approximate"), r"activation='approximate'"),
+        (dict(gelu="tanh"), r"the field `activation`.*Received: gelu='tanh'"),
         (dict(position_embedding="fixed"), r"position_embedding='fixed'"),
         (dict(position_embedding="sincos2d"), r"multiple of 4.*hidden_dim=10"),
         (dict(pre_norm=1), r"pre_norm=1"),
@@ -377,7 +378,7 @@ def test_sincos_model_is_the_learned_model_with_big_visions_embeddings(classifie
 
 
 def test_map_model_pools_the_encoder_tokens_with_the_map_head():
-    model = randomize_weights(small_vit(classifier="map", gelu="tanh"))
+    model = randomize_weights(small_vit(classifier="map", activation="gelu_tanh"))
     assert model.get_layer("patch_encoder").use_class_token is False
     images = random_images((3, 16, 16, 3))
     tokens = keras.Model(model.inputs, model.get_layer("encoder_norm").output).predict(images, verbose=0)

@@ -100,7 +100,7 @@ def test_a_transformers_folder_alone_gives_the_numpy_forward_pass_with_its_epsil
     transformers_folder(tmp_path / "plain", preprocessor=False, hidden_act="gelu_pytorch_tanh",
                         id2label={str(i): f"LABEL_{i}" for i in range(CLASSES)})
     plain = keras_vit.from_pretrained(tmp_path / "plain")
-    assert plain.class_names is None and plain.get_layer("encoderblock_1").gelu == "tanh"
+    assert plain.class_names is None and plain.get_layer("encoderblock_1").activation == "gelu_tanh"
     assert plain.preprocessing == keras_vit.Preprocessing((SIDE, SIDE), (SIDE, SIDE), keep_aspect_ratio=False,
                                                           crop_offset="floor")
     expected = numpy_vit.vit_forward(params, LAYERS, images, eps=1e-12, activation=numpy_vit.gelu_tanh)
@@ -114,14 +114,14 @@ def test_a_transformers_folder_alone_gives_the_numpy_forward_pass_with_its_epsil
 ])
 def test_an_original_npz_gives_its_architecture_from_the_shapes(tmp_path, variant, options):
     source = randomize_weights(keras_vit.build_vit(
-        variant, image_size=(16, 16), num_classes=4, hidden_dim=12, mlp_dim=20, num_layers=3, gelu="tanh",
+        variant, image_size=(16, 16), num_classes=4, hidden_dim=12, mlp_dim=20, num_layers=3, activation="gelu_tanh",
         **options))
     checkpoints.save_npz(source, tmp_path / "ViT-custom.npz")
     model = keras_vit.from_pretrained(tmp_path / "ViT-custom.npz")
     assert model.name == "ViT_custom" and model.count_params() == source.count_params()
     blocks = [layer for layer in model.layers if layer.name.startswith("encoderblock_")]
-    assert (len(blocks), blocks[0].num_heads, blocks[0].mlp_dim, blocks[0].gelu) == (3, options["num_heads"], 20,
-                                                                                     "tanh")
+    assert (len(blocks), blocks[0].num_heads, blocks[0].mlp_dim, blocks[0].activation) == (
+        3, options["num_heads"], 20, "gelu_tanh")
     assert model.input_shape == (None, 16, 16, 3) and model.class_names is None
     for a, b in zip(source.weights, model.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
@@ -140,7 +140,7 @@ def test_the_original_reader_returns_the_spec_the_arrays_describe(tmp_path):
     from keras_vit.checkpoints import readers
 
     source = randomize_weights(keras_vit.build_vit(
-        "testing", image_size=(16, 16), num_classes=4, num_heads=2, patch_size=4, gelu="tanh",
+        "testing", image_size=(16, 16), num_classes=4, num_heads=2, patch_size=4, activation="gelu_tanh",
         class_names=["a", "b", "c", "d"]))  # fmt: skip
     checkpoints.save_npz(source, tmp_path / "vit.npz")
     path = str(tmp_path / "vit.npz")

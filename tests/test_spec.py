@@ -47,3 +47,26 @@ def test_build_vit_is_the_model_of_the_spec_with_its_errors():
     with pytest.raises(TypeError):
         keras_vit.build_vit("testing", 32)
     keras.backend.clear_session()
+
+
+@pytest.mark.parametrize("word, activation", [("exact", "gelu"), ("tanh", "gelu_tanh"), ("quick", "quick_gelu"),
+                                              ("silu", "silu")])  # fmt: skip
+def test_configs_that_name_the_activation_gelu_read_as_activation(word, activation):
+    """A spec's, a block's or a MAP head's config saved with `gelu` (in its words) builds the same activation."""
+    config = ViTSpec.from_variant("testing", image_size=16).to_config()
+    config["gelu"] = word
+    del config["activation"]
+    assert ViTSpec.from_config(config).activation == activation
+    for layer in (keras_vit.layers.TransformerBlock(2, 8), keras_vit.layers.MAPHead(2, 8)):
+        layer_config = layer.get_config()
+        layer_config["gelu"] = word
+        del layer_config["activation"]
+        assert type(layer).from_config(layer_config).activation == activation
+
+
+def test_a_saved_gelu_that_names_no_activation_is_refused():
+    config = ViTSpec.from_variant("testing", image_size=16).to_config()
+    config["gelu"] = "erf"
+    del config["activation"]
+    with pytest.raises(ValueError, match=r"saved `gelu` must be one of \('exact', 'tanh', 'quick', 'silu'\).*'erf'"):
+        ViTSpec.from_config(config)

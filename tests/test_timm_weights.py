@@ -44,7 +44,7 @@ CASES = {
     "gap_fc_norm": (dict(classifier="gap", pooled_norm=True), {"class_token": False, "global_pool": "avg"}),
     "pre_norm": (dict(pre_norm=True), {"pre_norm": True}),
     "map_tanh": (
-        dict(classifier="map", gelu="tanh"),
+        dict(classifier="map", activation="gelu_tanh"),
         {"class_token": False, "global_pool": "map", "act_layer": "gelu_tanh"},
     ),
     # The ViT family's options, in the combinations timm's models use them.
@@ -57,7 +57,7 @@ CASES = {
         dict(num_registers=2, classifier="gap", pooled_norm=True),
         {"reg_tokens": 2, "class_token": False, "global_pool": "avg", "no_embed_class": True},
     ),
-    "quick_gelu": (dict(gelu="quick", pre_norm=True), {"act_layer": "quick_gelu", "pre_norm": True}),
+    "quick_gelu": (dict(activation="quick_gelu", pre_norm=True), {"act_layer": "quick_gelu", "pre_norm": True}),
     "no_qkv_bias": (dict(qkv_bias=False), {"qkv_bias": False}),
     "distilled": (dict(distillation="head"), {"distilled": True}),  # timm's VisionTransformerDistilled
     # AIMv2's layout: RMSNorm everywhere (the patch embeddings too), SwiGLU, no biases but the patch embedding's.

@@ -124,13 +124,13 @@ def test_what_transformers_cannot_hold_is_refused_by_name(tmp_path):
 def test_save_transformers_writes_the_options_its_layout_holds(tmp_path):
     """ViT's layout holds query, key and value without biases (`qkv_bias` in the config) and the quick GELU
     (`hidden_act="quick_gelu"`): written, and read back to the same model."""
-    model = randomize_weights(small_vit(**HAND_WRITTEN, qkv_bias=False, gelu="quick"), seed=4)
+    model = randomize_weights(small_vit(**HAND_WRITTEN, qkv_bias=False, activation="quick_gelu"), seed=4)
     keras_vit.save_transformers(model, tmp_path / "saved")
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert config["qkv_bias"] is False and config["hidden_act"] == "quick_gelu"
     assert not any(key.endswith(("query.bias", "key.bias", "value.bias"))
                    for key in checkpoints.read_checkpoint(str(tmp_path / "saved" / "model.safetensors")))  # fmt: skip
     loaded = keras_vit.from_pretrained(tmp_path / "saved")
-    assert loaded.spec.qkv_bias is False and loaded.spec.gelu == "quick"
+    assert loaded.spec.qkv_bias is False and loaded.spec.activation == "quick_gelu"
     images = random_images((2, SIDE, SIDE, 3))
     np.testing.assert_allclose(loaded.predict(images, verbose=0), model.predict(images, verbose=0), atol=1e-5)

@@ -69,9 +69,10 @@ def add_model_fields(config):
     config.model.dropout_rate = 0.0
     config.model.attention_dropout_rate = 0.0
     config.model.stochastic_depth_rate = 0.0
-    # "learned" or "sincos2d" (fixed 2-D sin-cos); the MLPs' GELU, "exact" or "tanh" (the original code's).
+    # "learned" or "sincos2d" (fixed 2-D sin-cos); the MLPs' activation, "gelu", "gelu_tanh" (the original
+    # code's), "quick_gelu" or "silu".
     config.model.position_embedding = "learned"
-    config.model.gelu = "exact"
+    config.model.activation = "gelu"
 
     # Transfer learning: a checkpoint to start from (local or gs://; the original
     # .npz, or timm's .safetensors), and whether to train the head alone.

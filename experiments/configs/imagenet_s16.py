@@ -33,7 +33,7 @@ Point by point against big_vision's config:
   embeddings, a pre-logits layer (`rep_size=True`: Dense(384) + tanh), a
   zero-initialised head, no dropout: 22,122,472 parameters.  Differences:
   the exact GELU where big_vision computes Flax's tanh approximation
-  (`--config.model.gelu=tanh` for that), and the pre-logits kernel drawn
+  (`--config.model.activation=gelu_tanh` for that), and the pre-logits kernel drawn
   as Keras's Dense draws it (Glorot-uniform; Flax's default is
   LeCun-normal).
 - Loss: softmax cross-entropy on one-hot labels, no label smoothing.  Same.

@@ -198,8 +198,8 @@ def save_transformers(model, folder, *, class_names=None):
         "num_hidden_layers": len(blocks),
         "num_attention_heads": blocks[0].num_heads,
         "intermediate_size": blocks[0].mlp_dim,
-        "hidden_act": {"exact": "gelu", "tanh": "gelu_pytorch_tanh", "quick": "quick_gelu", "silu": "silu"}[
-            blocks[0].gelu],
+        "hidden_act": {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu", "silu": "silu"}[
+            blocks[0].activation],
         "hidden_dropout_prob": 0.0,
         "attention_probs_dropout_prob": 0.0,
         "initializer_range": 0.02,

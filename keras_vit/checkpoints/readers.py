@@ -22,20 +22,20 @@ from keras_vit.checkpoints.base import BLOCK_ATTENTION, POSEMB, CheckpointError,
 from keras_vit.checkpoints.formats import SHARD_INDEX_SUFFIX, read_checkpoint
 from keras_vit.checkpoints.timm_architectures import FEATURES as TIMM_FEATURES
 from keras_vit.checkpoints.timm_architectures import TIMM_ARCHITECTURES
-from keras_vit.layers.core import GELUS
+from keras_vit.layers.core import MLP_ACTIVATIONS
 from keras_vit.preprocessing import PILLOW_FILTERS, RESIZE_METHODS, Preprocessing
 from keras_vit.spec import ViTSpec
 from keras_vit.variants import HYBRIDS, MODEL_SIZES, to_pair
 
 log = logging.getLogger("keras_vit")
 
-# transformers' `hidden_act` values this model computes.
-TRANSFORMERS_GELU = {
-    "gelu": "exact", "gelu_python": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
-    "quick_gelu": "quick", "silu": "silu", "swish": "silu",
+# transformers' `hidden_act` and timm's `act_layer` values this model computes, to its `activation`.
+TRANSFORMERS_ACTIVATIONS = {
+    "gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh", "quick_gelu": "quick_gelu", "silu": "silu", "swish": "silu",
 }
-TIMM_GELU = {"gelu": "exact", "gelu_tanh": "tanh", "gelu_pytorch_tanh": "tanh", "quick_gelu": "quick", "silu": "silu",
-             "swish": "silu"}  # fmt: skip
+TIMM_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                    "quick_gelu": "quick_gelu", "silu": "silu", "swish": "silu"}  # fmt: skip
 # The parts of a row of `TIMM_ARCHITECTURES` (its `FEATURES`) that this library builds: the spec's
 # `layer_scale`, `num_registers`, `qkv_bias`, `distillation`, `mlp`, `norm`, `patch_norm`, `sub_norms`, `parallel`
 # and `class_token`, each read from the arrays (the last with the config's global pool).
@@ -47,7 +47,7 @@ def timm_refusals(row):
     """What this library does not build of a `TIMM_ARCHITECTURES` row, in words (empty: it opens)."""
     _, activation, _, _, features = row
     refused = [TIMM_FEATURES[f] for f in features if f not in TIMM_FEATURES_BUILT]
-    if activation not in GELUS and "swiglu" not in features:  # A gated MLP's is SiLU, by its definition.
+    if activation not in MLP_ACTIVATIONS and "swiglu" not in features:  # A gated MLP's is SiLU, by its definition.
         refused.append(f"the {activation} activation")
     return refused
 
@@ -85,7 +85,7 @@ def read_transformers(weights_path, config, preprocessor, label, *, num_heads=No
 def read_original(weights_path, config, preprocessor, label, *, num_heads=None, image_size=None):
     """(spec, arrays) of a file without a config: an original `.npz` (tanh GELU, as they were trained; pixels
     squashed to the model's size), or a lone `.safetensors` (`num_heads` needed for timm's layout)."""
-    return _read(weights_path, label, num_heads, {"gelu": "tanh"}, None, None, None, False, image_size)
+    return _read(weights_path, label, num_heads, {"activation": "gelu_tanh"}, None, None, None, False, image_size)
 
 
 READERS = {"timm": read_timm, "transformers": read_transformers, "file": read_original}
@@ -230,28 +230,30 @@ def _timm_options(config, path):
     pretrained = config.get("pretrained_cfg") or {}
     row = TIMM_ARCHITECTURES.get(architecture)
     if row is None:
-        num_heads, gelu, epsilon, dynamic, features = None, "exact", 1e-6, False, ()
+        num_heads, activation, epsilon, dynamic, features = None, "gelu", 1e-6, False, ()
         log.warning(
             "from_pretrained(%s): timm architecture %r is not in keras_vit's table of timm ViTs: read with the "
             "exact GELU and LayerNorm epsilon 1e-6 (timm's VisionTransformer defaults).", path, architecture
         )
     else:
-        num_heads, gelu, epsilon, dynamic, features = row
+        num_heads, activation, epsilon, dynamic, features = row
     refused = timm_refusals(row) if row is not None else []
     if refused:
         raise PretrainedError(
             f"{path!r}: timm's {architecture!r} has {' and '.join(refused)}, which this library does not build."
         )
     if "swiglu" in (row[4] if row is not None else ()):  # Its SiLU is the gate's: the MLP's activation is unused.
-        gelu = "exact"
+        activation = "gelu"
     act = model_args.get("act_layer")
     if act is not None:
-        if act not in TIMM_GELU:
-            raise PretrainedError(f"{path!r}: model_args act_layer={act!r}; this library computes {sorted(TIMM_GELU)}.")
-        gelu = TIMM_GELU[act]
+        if act not in TIMM_ACTIVATIONS:
+            raise PretrainedError(
+                f"{path!r}: model_args act_layer={act!r}; this library computes {sorted(TIMM_ACTIVATIONS)}."
+            )
+        activation = TIMM_ACTIVATIONS[act]
     num_heads = model_args.get("num_heads", num_heads)
     dynamic = bool(model_args.get("dynamic_img_size", dynamic))
-    options = {"gelu": gelu, "layer_norm_epsilon": epsilon}
+    options = {"activation": activation, "layer_norm_epsilon": epsilon}
     if isinstance(model_args.get("init_values"), (int, float)) and model_args["init_values"] > 0:
         options["layer_scale"] = float(model_args["init_values"])  # Where the arrays have LayerScale weights.
     if model_args.get("img_size") is not None:
@@ -288,13 +290,13 @@ def _pair_or_int(value):
 def _transformers_options(config, preprocessor, path):
     """(num_heads, build options, preprocessing arguments, class names) from transformers' configs."""
     act = config.get("hidden_act", "gelu")
-    if act not in TRANSFORMERS_GELU:
+    if act not in TRANSFORMERS_ACTIVATIONS:
         raise PretrainedError(
-            f"{path!r}: hidden_act={act!r}; this library computes {sorted(TRANSFORMERS_GELU)} (exact or tanh GELU)."
+            f"{path!r}: hidden_act={act!r}; this library computes {sorted(TRANSFORMERS_ACTIVATIONS)}."
         )
     dinov2 = str(config.get("model_type")).startswith("dinov2")
     options = {
-        "gelu": TRANSFORMERS_GELU[act],
+        "activation": TRANSFORMERS_ACTIVATIONS[act],
         # transformers' defaults: 1e-12 for ViT and DeiT, 1e-6 for DINOv2.
         "layer_norm_epsilon": float(config.get("layer_norm_eps", 1e-6 if dinov2 else 1e-12)),
         "image_size": to_pair(_pair_or_int(config.get("image_size", 224)), "image_size"),

@@ -10,10 +10,13 @@ import keras
 from keras_vit import kernels
 from keras_vit.layers.common import register
 
-# The MLP's activation: the GELU, "exact" (x Phi(x), the paper's), "tanh" (its approximation, as Flax's
-# `nn.gelu` computes it in the original implementation and big_vision) or "quick" (OpenAI CLIP's
-# x sigmoid(1.702 x)); or "silu" (x sigmoid(x), Elfwing et al. 2018; an MLP of that activation, ungated).
-GELUS = ("exact", "tanh", "quick", "silu")
+# The MLP's activation, by timm's names for them: "gelu" (x Phi(x), the paper's), "gelu_tanh" (its tanh
+# approximation, as Flax's `nn.gelu` computes it in the original implementation and big_vision), "quick_gelu"
+# (OpenAI CLIP's x sigmoid(1.702 x)) or "silu" (x sigmoid(x), Elfwing et al. 2018; an MLP of that activation,
+# ungated).
+MLP_ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "silu")
+# Configs saved before the option was named `activation` hold it as `gelu`, in these words.
+_GELU_WORDS = {"exact": "gelu", "tanh": "gelu_tanh", "quick": "quick_gelu", "silu": "silu"}
 
 
 @register
@@ -39,11 +42,25 @@ def gelu_quick(x):
     return x * keras.ops.sigmoid(1.702 * x)
 
 
-def gelu_activation(gelu):
-    """The `Dense` activation named `gelu` ("exact", "tanh", "quick" or "silu"); a ValueError otherwise."""
-    if gelu not in GELUS:
-        raise ValueError(f"`gelu` must be one of {GELUS}. Received: gelu={gelu!r}")
-    return {"exact": "gelu", "tanh": gelu_tanh, "quick": gelu_quick, "silu": "silu"}[gelu]
+def mlp_activation(activation):
+    """The `Dense` activation of the MLP activation named `activation` (one of `MLP_ACTIVATIONS`); a ValueError
+    otherwise."""
+    if activation not in MLP_ACTIVATIONS:
+        raise ValueError(f"`activation` must be one of {MLP_ACTIVATIONS}. Received: activation={activation!r}")
+    return {"gelu": "gelu", "gelu_tanh": gelu_tanh, "quick_gelu": gelu_quick, "silu": "silu"}[activation]
+
+
+def read_activation(config):
+    """A copy of `config` (a layer's or a spec's) with a `gelu` entry, as configs saved before the option was
+    named `activation` hold it, read as `activation`; a ValueError for a `gelu` entry that is no such word."""
+    if "gelu" not in config:
+        return config
+    config = dict(config)
+    gelu = config.pop("gelu")
+    if gelu not in _GELU_WORDS:
+        raise ValueError(f"A saved `gelu` must be one of {tuple(_GELU_WORDS)}. Received: gelu={gelu!r}")
+    config.setdefault("activation", _GELU_WORDS[gelu])
+    return config
 
 
 @register

@@ -8,7 +8,7 @@ from keras import ops
 from keras_vit import kernels
 from keras_vit.layers.attention import MultiHeadSelfAttention
 from keras_vit.layers.common import add_stacked_projections, check_positive_int, check_rate, register
-from keras_vit.layers.core import Dense, Dropout, check_norm, gelu_activation, make_norm
+from keras_vit.layers.core import Dense, Dropout, check_norm, make_norm, mlp_activation, read_activation
 from keras_vit.layers.quantization import Int8Kernels
 
 
@@ -37,15 +37,16 @@ class TransformerBlock(keras.layers.Layer):
             branches for a whole sample in training (Huang et al. 2016).
         layer_norm_epsilon: 1e-6, as in the original implementation.
         seed: seed of the dropouts and of stochastic depth.
-        gelu: the MLP's GELU, "exact", "tanh" (the approximation the
-            original implementation and big_vision compute) or "quick" (CLIP's).
+        activation: the MLP's, "gelu" (exact), "gelu_tanh" (the
+            approximation the original implementation and big_vision
+            compute), "quick_gelu" (CLIP's) or "silu".
         layer_scale: None (no scales), or the initial value of the
             LayerScale weights (timm's `init_values`: 1e-5 for DINOv2, 1e-6
             for DeiT III's deeper models).
         qkv_bias: the attention's query, key and value have biases.
         norm: "layer" (LayerNorm) or "rms" (RMSNorm).
-        mlp: "plain" (the paper's) or "swiglu" (gated by SiLU; `gelu` is
-            then unused).
+        mlp: "plain" (the paper's) or "swiglu" (gated by SiLU; `activation`
+            is then unused).
         sub_norms: norms inside the attention (of its output, before the
             output projection) and the MLP (of its hidden units, before the
             second layer): BEiT-3's sub-LN (Wang et al. 2022, "Foundation
@@ -79,7 +80,7 @@ class TransformerBlock(keras.layers.Layer):
         stochastic_depth_rate=0.0,
         layer_norm_epsilon=1e-6,
         seed=None,
-        gelu="exact",
+        activation="gelu",
         layer_scale=None,
         qkv_bias=True,
         norm="layer",
@@ -97,8 +98,8 @@ class TransformerBlock(keras.layers.Layer):
         if mlp not in MLPS:
             raise ValueError(f"`mlp` must be one of {MLPS}. Received: mlp={mlp!r}")
         self.mlp = mlp
-        gelu_activation(gelu)  # Validates it now rather than at build time.
-        self.gelu = gelu
+        mlp_activation(activation)  # Validates it now rather than at build time.
+        self.activation = activation
         self.layer_scale = check_layer_scale(layer_scale)
         if not isinstance(qkv_bias, bool):
             raise ValueError(f"`qkv_bias` must be True or False. Received: qkv_bias={qkv_bias!r}")
@@ -143,8 +144,8 @@ class TransformerBlock(keras.layers.Layer):
                 name=prefix + "attention",
             ),
             mlp_norm=make_norm(self.norm, epsilon, dtype=policy, name=prefix + "mlp_norm"),
-            mlp_dense_1=Dense(self.mlp_dim, activation=None if swiglu else gelu_activation(self.gelu), dtype=policy,
-                              name=prefix + "mlp_dense_1"),
+            mlp_dense_1=Dense(self.mlp_dim, activation=None if swiglu else mlp_activation(self.activation),
+                              dtype=policy, name=prefix + "mlp_dense_1"),
             mlp_gate=Dense(self.mlp_dim, activation="silu", dtype=policy, name=prefix + "mlp_gate") if swiglu else None,
             # BEiT-3's sub-LN: a norm of the MLP's hidden units before its second layer.
             mlp_sub_norm=make_norm(self.norm, epsilon, dtype=policy, name=prefix + "mlp_sub_norm") if (
@@ -230,7 +231,7 @@ class TransformerBlock(keras.layers.Layer):
             "stochastic_depth_rate": self.stochastic_depth_rate,
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "seed": self.seed,
-            "gelu": self.gelu,
+            "activation": self.activation,
             "layer_scale": self.layer_scale,
             "qkv_bias": self.qkv_bias,
             "norm": self.norm,
@@ -238,6 +239,10 @@ class TransformerBlock(keras.layers.Layer):
             "sub_norms": self.sub_norms,
             "parallel": self.parallel,
         }
+
+    @classmethod
+    def from_config(cls, config):
+        return super().from_config(read_activation(config))
 
 
 @dataclasses.dataclass
@@ -340,7 +345,8 @@ class MAPHead(Int8Kernels, keras.layers.Layer):
     Args:
         num_heads: attention heads; the token width must be divisible by it.
         mlp_dim: width of the MLP's hidden layer.
-        gelu: the MLP's GELU, "exact" or "tanh" (big_vision's).
+        activation: the MLP's, as `TransformerBlock`'s ("gelu_tanh":
+            big_vision's).
         layer_norm_epsilon: 1e-6, as Flax's and timm's LayerNorm.
         norm: the norm's kind, "layer" or "rms" (as timm's attn_pool takes
             the model's norm layer).
@@ -363,13 +369,13 @@ class MAPHead(Int8Kernels, keras.layers.Layer):
 
     QUANTIZED_KERNELS = ("query_kernel", "key_value_kernel", "output_kernel")
 
-    def __init__(self, num_heads, mlp_dim, gelu="exact", layer_norm_epsilon=1e-6, norm="layer", **kwargs):
+    def __init__(self, num_heads, mlp_dim, activation="gelu", layer_norm_epsilon=1e-6, norm="layer", **kwargs):
         super().__init__(**kwargs)
         self.norm_kind = check_norm(norm)
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.mlp_dim = check_positive_int("mlp_dim", mlp_dim)
-        gelu_activation(gelu)
-        self.gelu = gelu
+        mlp_activation(activation)
+        self.activation = activation
         self.layer_norm_epsilon = float(layer_norm_epsilon)
 
     def build(self, input_shape):
@@ -387,7 +393,8 @@ class MAPHead(Int8Kernels, keras.layers.Layer):
         self.output_kernel = self.add_weight(name="output_kernel", shape=(hidden, hidden), initializer="glorot_uniform")
         self.output_bias = self.add_weight(name="output_bias", shape=(hidden,), initializer="zeros")
         self.norm = make_norm(self.norm_kind, self.layer_norm_epsilon, dtype=policy, name="norm")
-        self.mlp_dense_1 = Dense(self.mlp_dim, activation=gelu_activation(self.gelu), dtype=policy, name="mlp_dense_1")
+        activation = mlp_activation(self.activation)
+        self.mlp_dense_1 = Dense(self.mlp_dim, activation=activation, dtype=policy, name="mlp_dense_1")
         self.mlp_dense_2 = Dense(hidden, dtype=policy, name="mlp_dense_2")
         pooled = (input_shape[0], 1, hidden)
         self.norm.build(pooled)
@@ -415,7 +422,11 @@ class MAPHead(Int8Kernels, keras.layers.Layer):
             **super().get_config(),
             "num_heads": self.num_heads,
             "mlp_dim": self.mlp_dim,
-            "gelu": self.gelu,
+            "activation": self.activation,
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "norm": self.norm_kind,
         }
+
+    @classmethod
+    def from_config(cls, config):
+        return super().from_config(read_activation(config))
