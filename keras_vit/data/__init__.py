@@ -11,11 +11,11 @@ no download).  Image folders and TFDS sets are read and decoded on the fly
 distributed run, and an image that fails to decode is skipped and named, never
 fatal.
 
-Eleven modules, and `service` beside them; imports run `decode` -> `header`,
+Ten modules, and `service` beside them; imports run `decode` -> `header`,
 `image_source` -> `decode`, `header`, `digits` -> `image_source`, `folders`
-and `tfds` -> `decode`, `header`, `image_source`, `positions`, `sources` ->
-`folders`, `tfds`, `augment` -> `decode`, `header`, `randaugment`, and
-`pipeline` -> `augment`, `decode`, `positions`:
+and `tfds` -> `decode`, `header`, `image_source`, `positions`, `augment` ->
+`decode`, `header`, `randaugment`, and `pipeline` -> `augment`, `decode`,
+`positions`:
 
 - `header`: an encoded image's size read from its header before it is
   decoded and checked against `ImageLimits` (total pixels, aspect ratio), a
@@ -33,8 +33,6 @@ and `tfds` -> `decode`, `header`, `image_source`, `positions`, `sources` ->
   `IMAGE_EXTENSIONS`);
 - `tfds`: prepared TFDS sets (`load_tfds`, and `load_tfds_evaluation` for
   extra test sets);
-- `sources`: an image source by the name a job takes, "folder:PATH" or
-  "tfds:NAME[:SPLIT]" (`load_image_source`);
 - `randaugment`: RandAugment as published (Cubuk et al. 2019, the TPU
   reference implementation), one op computed per draw (`rand_augment`);
 - `augment`: one image at a time, in the graph: crops (a JPEG decoded inside
@@ -49,7 +47,9 @@ and `tfds` -> `decode`, `header`, `image_source`, `positions`, `sources` ->
 - `service` (imported as `keras_vit.data.service`): tf.data service, to run
   the training pipeline on other machines' CPUs.
 
-Every name below is importable from `keras_vit.data`.
+Every name below is importable from `keras_vit.data`, which also picks a
+loader by the name a job gives a data set, "folder:PATH" or
+"tfds:NAME[:SPLIT]" (`load_image_source`).
 """
 
 from keras_vit.requirements import check_tensorflow
@@ -105,8 +105,36 @@ from keras_vit.data.image_source import ImageSource, check_fraction, input_pipel
 from keras_vit.data.pipeline import image_pipeline, make_pipeline, training_pipeline, training_stream
 from keras_vit.data.positions import InputPositions, pass_seed, permutation, seeded_shuffle
 from keras_vit.data.randaugment import RANDAUGMENT_OPS, apply_op, draw_ops, rand_augment
-from keras_vit.data.sources import load_image_source
 from keras_vit.data.tfds import load_tfds, load_tfds_evaluation
+
+
+def load_image_source(
+    name, *, data_dir=None, test_split=None, test_fraction=0.2, seed=0, validation_fraction=0.0,
+    validation_split=None, image_limits=None,
+):
+    """The `ImageSource` named "tfds:NAME[:SPLIT]" (`load_tfds`, SPLIT the training split, default
+    "train", e.g. "train[:99%]") or "folder:PATH" (`load_folder`); `validation_fraction` and (TFDS)
+    `validation_split` say what is held out of the training data for validation; `image_limits` (an
+    `ImageLimits`) what images are decoded."""
+    kind, _, rest = str(name).partition(":")
+    if kind == "tfds" and rest:
+        tfds_name, _, split = rest.partition(":")
+        return load_tfds(
+            tfds_name, data_dir=data_dir, train_split=split or "train", test_split=test_split,
+            validation_split=validation_split, validation_fraction=validation_fraction, image_limits=image_limits,
+        )
+    if kind == "folder" and rest:
+        if validation_split:
+            raise ValueError(
+                f"`validation_split` names a TFDS split; a folder holds out `validation_fraction` of its training "
+                f"files, or reads its validation/ subfolder. Received: validation_split={validation_split!r}"
+            )
+        return load_folder(
+            rest, test_fraction=test_fraction, seed=seed, validation_fraction=validation_fraction,
+            image_limits=image_limits,
+        )
+    raise ValueError(f"Unknown image data set {name!r}. Expected 'tfds:NAME[:SPLIT]' or 'folder:PATH'.")
+
 
 __all__ = [
     "EXPECTED_FORMATS",
