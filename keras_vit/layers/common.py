@@ -1,10 +1,27 @@
-"""What the layers share: registration for saving, argument checks, stacked projections."""
+"""What the layers share: registration for saving, reading configs saved under earlier names, argument checks,
+stacked projections."""
 
 import math
 
 import keras
 
 register = keras.saving.register_keras_serializable(package="keras_vit")
+
+
+def read_renamed(config, old, new, words=None):
+    """A copy of the saved `config` (a layer's or a spec's) with its entry `old`, the name earlier files give
+    `new`, read as `new`: its value as it is, or through `words` ({earlier value: value}), a ValueError naming
+    them for any other. `config` itself when it has no `old`."""
+    if old not in config:
+        return config
+    config = dict(config)
+    value = config.pop(old)
+    if words is not None:
+        if value not in words:
+            raise ValueError(f"A saved `{old}` must be one of {tuple(words)}. Received: {old}={value!r}")
+        value = words[value]
+    config.setdefault(new, value)
+    return config
 
 
 def check_rate(name, value):

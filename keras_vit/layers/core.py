@@ -8,7 +8,7 @@ for where it is traced.
 import keras
 
 from keras_vit import kernels
-from keras_vit.layers.common import register
+from keras_vit.layers.common import read_renamed, register
 
 # The MLP's activation, by timm's names for them: "gelu" (x Phi(x), the paper's), "gelu_tanh" (its tanh
 # approximation, as Flax's `nn.gelu` computes it in the original implementation and big_vision), "quick_gelu"
@@ -53,14 +53,7 @@ def mlp_activation(activation):
 def read_activation(config):
     """A copy of `config` (a layer's or a spec's) with a `gelu` entry, as configs saved before the option was
     named `activation` hold it, read as `activation`; a ValueError for a `gelu` entry that is no such word."""
-    if "gelu" not in config:
-        return config
-    config = dict(config)
-    gelu = config.pop("gelu")
-    if gelu not in _GELU_WORDS:
-        raise ValueError(f"A saved `gelu` must be one of {tuple(_GELU_WORDS)}. Received: gelu={gelu!r}")
-    config.setdefault("activation", _GELU_WORDS[gelu])
-    return config
+    return read_renamed(config, "gelu", "activation", _GELU_WORDS)
 
 
 @register

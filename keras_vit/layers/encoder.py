@@ -7,7 +7,7 @@ from keras import ops
 
 from keras_vit import kernels
 from keras_vit.layers.attention import MultiHeadSelfAttention
-from keras_vit.layers.common import add_stacked_projections, check_positive_int, check_rate, register
+from keras_vit.layers.common import add_stacked_projections, check_positive_int, check_rate, read_renamed, register
 from keras_vit.layers.core import Dense, Dropout, check_norm, make_norm, mlp_activation, read_activation
 from keras_vit.layers.quantization import Int8Kernels
 
@@ -318,10 +318,7 @@ class TokenPooling(keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        if "skip" in config:  # The name `prefix_tokens` had in the configs of earlier files.
-            config["prefix_tokens"] = config.pop("skip")
-        return cls(**config)
+        return super().from_config(read_renamed(config, "skip", "prefix_tokens"))
 
 
 @register
