@@ -104,8 +104,7 @@ class TimmWorker:
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env
         )
         self.parameters = int(self._read())
-        # {"timm": ..., "torch": ...} of the interpreter that runs the worker.
-        self.versions = dict(item.split("=", 1) for item in self._read().split())
+        self.versions = read_versions(self._read())  # Of the interpreter that runs the worker.
 
     def _read(self):
         line = self.process.stdout.readline()
@@ -165,7 +164,17 @@ def export_timm_onnx(config, image_size, num_classes, path, python=None):
     done = subprocess.run([*args, f"--onnx={path}"], capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"timm's ONNX export exited with status {done.returncode}: {done.stderr[-2000:]}")
-    return dict(item.split("=", 1) for item in done.stdout.strip().splitlines()[-1].split())
+    return read_versions(done.stdout.strip().splitlines()[-1])
+
+
+def versions_line(timm, torch):
+    """The line the worker prints to say what runs it: "timm=VERSION torch=VERSION"."""
+    return f"timm={timm.__version__} torch={torch.__version__}"
+
+
+def read_versions(line):
+    """{"timm": version, "torch": version} of a `versions_line`."""
+    return dict(item.split("=", 1) for item in line.split())
 
 
 def timm_worker(argv):
@@ -198,7 +207,7 @@ def timm_worker(argv):
             model.eval(), (images,), f.onnx, input_names=["images"], output_names=["logits"],
             dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False,
         )  # fmt: skip
-        print(f"timm={timm.__version__} torch={torch.__version__}", flush=True)
+        print(versions_line(timm, torch), flush=True)
         return
     autocast = torch.autocast(f.device, dtype=torch.bfloat16, enabled=f.precision == "mixed_bfloat16")
 
@@ -234,7 +243,7 @@ def timm_worker(argv):
         step()
     synchronize()
     print(sum(p.numel() for p in model.parameters()), flush=True)
-    print(f"timm={timm.__version__} torch={torch.__version__}", flush=True)
+    print(versions_line(timm, torch), flush=True)
     for line in sys.stdin:
         steps = int(line)
         start = time.perf_counter()
