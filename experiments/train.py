@@ -90,10 +90,15 @@ def export_kinds(config):
     return kinds
 
 
+def export_stem(kind):
+    """Export `kind` as its file's stem and its metric's name: "tflite:int8" -> "tflite_int8"."""
+    return kind.replace(":", "_")
+
+
 def export_file_name(kind):
     """The name of the file or folder export `kind` writes in workdir/export: "tflite:int8" ->
     "tflite_int8.tflite", "saved_model:bfloat16" -> "saved_model_bfloat16"."""
-    stem = kind.replace(":", "_")
+    stem = export_stem(kind)
     return {"saved_model": stem, "tflite": f"{stem}.tflite", "onnx": "model.onnx"}[export.parse_artefact(kind)[0]]
 
 
@@ -491,7 +496,7 @@ def report(run, model, fitting, phases=None):
                 visualize.write_figures(model, image, figures, prefix=f"test{i}_")
     with timing("exports"):
         for kind in run.exports:
-            metrics[f"export_{kind.replace(':', '_')}"] = export_model(model, kind, workdir, dataset, config)
+            metrics[f"export_{export_stem(kind)}"] = export_model(model, kind, workdir, dataset, config)
     with timing("extra test sets"):
         extra = extra_test_sets.extra_evaluations(config, model, run.strategy)
     if fitting.selection is not None and tf.io.gfile.exists(run.best_path):
